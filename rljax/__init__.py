@@ -1,0 +1,3 @@
+"""rljax: a JAX-native RL stack that trains language models to reason."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,49 @@
+"""The `rljax` command line: a thin layer over the functional API.
+
+Each subcommand lives beside the concern it drives, in a module with
+`register(subparsers)` that adds its parser and sets `func`. Heavy imports stay inside the
+command functions so `rljax --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rljax.errors import RljaxError
+
+# One line per subcommand module, in the order `rljax --help` lists them.
+_COMMAND_MODULES = [
+    "rljax.models.command",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rljax", description="JAX-native reinforcement learning for language models that reason.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except RljaxError as err:
+        print(f"rljax {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rljax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

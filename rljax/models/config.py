@@ -1,0 +1,292 @@
+"""The decoder-only transformer config shared by the Llama, Qwen2/3 and Gemma 1/2 families.
+
+One frozen dataclass holds every architectural switch. `from_hf_dict` reads a Hugging Face
+`config.json` and `to_hf_dict` writes one back, so a checkpoint round-trips through transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from rljax.errors import CheckpointError, ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
+_ACTIVATIONS = ("silu", "gelu_tanh")
+_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one decoder-only transformer.
+
+    Family switches: `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `norm_plus_one` and
+    `scale_embeddings` (Gemma's RMSNorm (1 + w) and sqrt(d) embedding scale), `sandwich_norm`,
+    soft-caps and `sliding_window_pattern` (Gemma 2), `rope_type='llama3'` (Llama 3.1+).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "qwen2"
+    activation: str = "silu"
+    rms_norm_eps: float = 1e-6
+    norm_plus_one: bool = False
+    scale_embeddings: bool = False
+    sandwich_norm: bool = False
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_window_pattern: int = 0  # every k-th layer is global; 0: no sliding layers
+    max_positions: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+
+    def __post_init__(self):
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.activation in _ACTIVATIONS, f"activation={self.activation!r}; choose one of {_ACTIVATIONS}")
+        need(self.rope_type in _ROPE_TYPES, f"rope_type={self.rope_type!r} is unsupported; choose one of {_ROPE_TYPES}")
+        need(self.num_heads % self.num_kv_heads == 0,
+             f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
+        for name in ("param_dtype", "compute_dtype"):
+            need(getattr(self, name) in _DTYPES, f"{name}={getattr(self, name)!r}; choose one of {tuple(_DTYPES)}")
+        need(self.sliding_window_pattern == 0 or self.sliding_window,
+             "sliding_window_pattern > 0 needs sliding_window set")
+
+    @property
+    def params_jnp_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def compute_jnp_dtype(self):
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def query_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per-layer attention window (0 means global), Gemma 2 style: layer i is local unless
+        (i + 1) % pattern == 0."""
+        if not self.sliding_window_pattern:
+            return (0,) * self.num_layers
+        return tuple(
+            0 if (i + 1) % self.sliding_window_pattern == 0 else int(self.sliding_window)
+            for i in range(self.num_layers)
+        )
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        d, n, k, h, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f + 2 * d
+        total = self.num_layers * per_layer + d
+        if include_embeddings:
+            total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return total
+
+
+# ----------------------------------------------------------------------------- HF config.json
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Reads RoPE settings from either the transformers v5 `rope_parameters` or v4 fields."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
+    src = params if "factor" in params else legacy
+    if rope_type not in _ROPE_TYPES:
+        raise CheckpointError(
+            f"rope_type {rope_type!r} is not supported; supported: {_ROPE_TYPES}")
+    out = {"rope_theta": float(theta), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        out["rope_factor"] = float(src["factor"])
+    if rope_type == "llama3":
+        out["rope_low_freq_factor"] = float(src.get("low_freq_factor", 1.0))
+        out["rope_high_freq_factor"] = float(src.get("high_freq_factor", 4.0))
+        out["rope_original_max_positions"] = int(src["original_max_position_embeddings"])
+    return out
+
+
+def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
+    """Builds a ModelConfig from a Hugging Face `config.json` dict."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if hf.get("mlp_bias"):
+        raise CheckpointError("mlp_bias=True is not supported (no supported family uses it)")
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise CheckpointError(f"{model_type} with use_sliding_window=True is not supported; set it to false")
+    num_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}.get(act)
+    if act is None:
+        raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported; supported: silu, gelu_pytorch_tanh")
+    gemma = model_type in ("gemma", "gemma2")
+    fields: dict[str, Any] = dict(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        activation=act,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_plus_one=gemma,
+        scale_embeddings=gemma,
+        tie_embeddings=hf.get("tie_word_embeddings", gemma or model_type == "qwen2"),
+        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        max_positions=hf.get("max_position_embeddings", 4096),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        **_rope_from_hf(hf),
+    )
+    if model_type == "gemma2":
+        fields.update(
+            sandwich_norm=True,
+            attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            sliding_window=hf.get("sliding_window"),
+            sliding_window_pattern=2 if hf.get("sliding_window") else 0,
+        )
+        layer_types = hf.get("layer_types")
+        if layer_types is not None:
+            cfg_windows = tuple(0 if t == "full_attention" else 1 for t in layer_types)
+            want = tuple(0 if (i + 1) % 2 == 0 else 1 for i in range(len(layer_types)))
+            if cfg_windows != want:
+                raise CheckpointError("gemma2 layer_types other than alternating sliding/full are not supported")
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """Writes a Hugging Face `config.json` dict that transformers loads into the same model."""
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}[cfg.model_type]
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type in ("linear", "llama3"):
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_positions)
+    hf: dict[str, Any] = dict(
+        architectures=[arch],
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=max(cfg.max_positions, cfg.rope_original_max_positions + 1)
+        if cfg.rope_type == "llama3" else cfg.max_positions,
+        rope_parameters=rope,
+        rope_theta=cfg.rope_theta,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        torch_dtype=cfg.param_dtype,
+    )
+    if cfg.model_type in ("gemma", "gemma2"):
+        hf["hidden_activation"] = "gelu_pytorch_tanh"
+        hf["hidden_act"] = "gelu_pytorch_tanh"
+    else:
+        hf["hidden_act"] = "silu"
+        hf["attention_bias"] = cfg.o_bias if cfg.model_type != "qwen2" else False
+        if cfg.model_type == "qwen2" and not cfg.qkv_bias:
+            raise CheckpointError("qwen2 export needs qkv_bias=True (transformers' Qwen2 always has it)")
+    if cfg.model_type == "gemma2":
+        hf.update(
+            query_pre_attn_scalar=round(cfg.query_scale**-2, 6),
+            attn_logit_softcapping=cfg.attn_logit_softcap,
+            final_logit_softcapping=cfg.final_logit_softcap,
+            sliding_window=cfg.sliding_window,
+            layer_types=["full_attention" if w == 0 else "sliding_attention" for w in cfg.layer_windows()],
+        )
+    return hf
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """Named tiny configs used by tests, benchmarks and the default job."""
+    presets = {
+        # ~0.2M params: the test model.
+        "qwen2-test": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True),
+        # The benchmark configs named in the sampler and update-step issues.
+        "qwen2-tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4,
+                           num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True),
+        "qwen2-small": dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_layers=8,
+                            num_heads=8, num_kv_heads=4, head_dim=64, qkv_bias=True,
+                            tie_embeddings=False),
+    }
+    if name not in presets:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(presets)}")
+    return ModelConfig(model_type="qwen2", **{**presets[name], **overrides})
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Inverse RoPE frequencies, with linear or Llama 3 scaling (Llama 3 report, 2024)."""
+    import numpy as np
+
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    if cfg.rope_type == "linear":
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        lo_wl = cfg.rope_original_max_positions / cfg.rope_low_freq_factor
+        hi_wl = cfg.rope_original_max_positions / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > lo_wl, inv / cfg.rope_factor, inv)
+        smooth = (cfg.rope_original_max_positions / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = (wavelen >= hi_wl) & (wavelen <= lo_wl)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)

@@ -1,0 +1,262 @@
+"""A pure-functional decoder-only transformer for the Llama, Qwen2/3 and Gemma 1/2 families.
+
+Params are a plain dict pytree. Per-layer weights are stacked on a leading layer axis `L` so a
+full-sequence forward is one `lax.scan` over layers (fast to compile, easy to shard):
+
+    embed                 [V, D]
+    layers/attn_norm      [L, D]          layers/mlp_norm   [L, D]
+    layers/q              [L, D, N, H]    layers/q_bias     [L, N, H]   (qkv_bias)
+    layers/k, layers/v    [L, D, K, H]    layers/k_bias ... [L, K, H]   (qkv_bias)
+    layers/q_norm         [L, H]          layers/k_norm     [L, H]      (qk_norm)
+    layers/o              [L, N, H, D]    layers/o_bias     [L, D]      (o_bias)
+    layers/attn_post_norm [L, D]          layers/mlp_post_norm [L, D]   (sandwich_norm)
+    layers/gate, layers/up [L, D, F]      layers/down       [L, F, D]
+    final_norm            [D]
+    lm_head               [V, D]          (untied only)
+
+With a KV cache (sampling) the layer loop is unrolled so each layer's cache buffer is updated in
+place; `unstack_layers` splits the stacked weights once so the decode loop never slices them.
+
+Shape letters: B batch, T query time, S key slots, D hidden, N query heads, K kv heads,
+G = N // K, H head dim, F MLP width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.models.config import ModelConfig, rope_inv_freq
+
+Params = dict[str, Any]
+Cache = dict[str, Any]
+_NEG = -1e30
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """Random-init params (normal(0, std) weights, unit norms, zero biases)."""
+    L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+    dt = cfg.params_jnp_dtype
+    keys = iter(jax.random.split(key, 16))
+
+    def normal(*shape):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    norm_init = jnp.zeros if cfg.norm_plus_one else jnp.ones
+    layers = {
+        "attn_norm": norm_init((L, D), dt), "mlp_norm": norm_init((L, D), dt),
+        "q": normal(L, D, N, H), "k": normal(L, D, K, H), "v": normal(L, D, K, H),
+        "o": normal(L, N, H, D),
+        "gate": normal(L, D, F), "up": normal(L, D, F), "down": normal(L, F, D),
+    }
+    if cfg.qkv_bias:
+        layers.update(q_bias=jnp.zeros((L, N, H), dt), k_bias=jnp.zeros((L, K, H), dt),
+                      v_bias=jnp.zeros((L, K, H), dt))
+    if cfg.o_bias:
+        layers["o_bias"] = jnp.zeros((L, D), dt)
+    if cfg.qk_norm:
+        layers.update(q_norm=norm_init((L, H), dt), k_norm=norm_init((L, H), dt))
+    if cfg.sandwich_norm:
+        layers.update(attn_post_norm=norm_init((L, D), dt), mlp_post_norm=norm_init((L, D), dt))
+    params = {"embed": normal(V, D), "layers": layers, "final_norm": norm_init((D,), dt)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal(V, D)
+    return params
+
+
+def unstack_layers(params: Params) -> Params:
+    """Splits stacked layer weights into a tuple of per-layer dicts (for the decode loop)."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    per_layer = tuple(jax.tree.map(lambda w, i=i: w[i], layers) for i in range(num_layers))
+    return {**params, "layers": per_layer}
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x, w, cfg: ModelConfig):
+    """RMSNorm (Zhang & Sennrich, 2019) in f32: x / rms(x) * w, or * (1 + w) for Gemma."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    scale = w.astype(jnp.float32) + (1.0 if cfg.norm_plus_one else 0.0)
+    return (x32 * scale).astype(x.dtype)
+
+
+def rope(x_btnh, positions_bt, cfg: ModelConfig):
+    """Rotary position embedding (RoFormer, Su et al., 2021), in the rotate-half layout of HF."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles_bth), jnp.sin(angles_bth)
+    x = x_btnh.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x_btnh.dtype)
+
+
+def _softcap(x, cap):
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+    """Causal grouped-query attention over key slots.
+
+    A key is visible to a query when it is valid (position >= 0), not in the query's future
+    (k_pos <= q_pos) and, for sliding layers, q_pos - k_pos < window. Positions rather than slot
+    indices carry causality, so left padding and caches work without extra bookkeeping.
+    """
+    b, t, n, h = q_btnh.shape
+    kh = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
+                        preferred_element_type=jnp.float32) * cfg.query_scale
+    logits = _softcap(logits, cfg.attn_logit_softcap)
+    dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
+    visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
+    visible_bts &= (window == 0) | (dist_bts < window)
+    logits = jnp.where(visible_bts[:, None, None], logits, _NEG)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def _mlp(x_btd, lp, cfg: ModelConfig):
+    dt = x_btd.dtype
+    gate = jnp.einsum("btd,df->btf", x_btd, lp["gate"].astype(dt))
+    up = jnp.einsum("btd,df->btf", x_btd, lp["up"].astype(dt))
+    act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return jnp.einsum("btf,fd->btd", act * up, lp["down"].astype(dt))
+
+
+def _qkv(x_btd, lp, positions_bt, cfg: ModelConfig):
+    dt = x_btd.dtype
+    q = jnp.einsum("btd,dnh->btnh", x_btd, lp["q"].astype(dt))
+    k = jnp.einsum("btd,dkh->btkh", x_btd, lp["k"].astype(dt))
+    v = jnp.einsum("btd,dkh->btkh", x_btd, lp["v"].astype(dt))
+    if cfg.qkv_bias:
+        q, k, v = q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt), v + lp["v_bias"].astype(dt)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
+    return rope(q, positions_bt, cfg), rope(k, positions_bt, cfg), v
+
+
+def _block(h_btd, lp, attend, positions_bt, cfg: ModelConfig):
+    """One pre-norm block; `attend(q, k, v)` supplies keys (fresh or from the cache)."""
+    dt = h_btd.dtype
+    x = rms_norm(h_btd, lp["attn_norm"], cfg)
+    q, k, v = _qkv(x, lp, positions_bt, cfg)
+    attn_btnh, extra = attend(q, k, v)
+    attn = jnp.einsum("btnh,nhd->btd", attn_btnh, lp["o"].astype(dt))
+    if cfg.o_bias:
+        attn = attn + lp["o_bias"].astype(dt)
+    if cfg.sandwich_norm:
+        attn = rms_norm(attn, lp["attn_post_norm"], cfg)
+    h_btd = h_btd + attn
+    mlp = _mlp(rms_norm(h_btd, lp["mlp_norm"], cfg), lp, cfg)
+    if cfg.sandwich_norm:
+        mlp = rms_norm(mlp, lp["mlp_post_norm"], cfg)
+    return h_btd + mlp, extra
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
+    """An empty KV cache: per-layer k/v [B, S, K, H], key positions [B, S] (-1 = empty)."""
+    dtype = dtype or cfg.compute_jnp_dtype
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {
+        "layers": tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+                        for _ in range(cfg.num_layers)),
+        "pos": jnp.full((batch, max_len), -1, jnp.int32),
+        "index": jnp.zeros((), jnp.int32),
+    }
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def default_positions(attn_mask_bt):
+    """Positions that skip padding: cumsum(mask) - 1, clipped at 0 (left or right padding)."""
+    return jnp.maximum(jnp.cumsum(attn_mask_bt.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
+                  cache: Cache | None = None, *, remat: bool = False):
+    """Final-normed hidden states [B, T, D] and the updated cache (None without one)."""
+    b, t = tokens_bt.shape
+    dt = cfg.compute_jnp_dtype
+    if attn_mask_bt is None:
+        attn_mask_bt = jnp.ones((b, t), bool)
+    attn_mask_bt = attn_mask_bt.astype(bool)
+    if positions_bt is None:
+        positions_bt = default_positions(attn_mask_bt)
+    positions_bt = positions_bt.astype(jnp.int32)
+    h = jnp.take(params["embed"], tokens_bt, axis=0).astype(dt)
+    if cfg.scale_embeddings:
+        h = h * jnp.asarray(np.sqrt(cfg.hidden_size), dt)
+    new_pos_bt = jnp.where(attn_mask_bt, positions_bt, -1)
+    windows = cfg.layer_windows()
+
+    if cache is None:
+        def attend_fresh(window):
+            def attend(q, k, v):
+                return attention(q, k, v, positions_bt, new_pos_bt, window, cfg), None
+            return attend
+
+        def scan_body(h, xs):
+            lp, window = xs
+            h, _ = _block(h, lp, attend_fresh(window), positions_bt, cfg)
+            return h, None
+
+        body = jax.checkpoint(scan_body) if remat else scan_body
+        layers = params["layers"]
+        if isinstance(layers, (list, tuple)):
+            layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+        h, _ = jax.lax.scan(body, h, (layers, jnp.asarray(windows, jnp.int32)))
+        return rms_norm(h, params["final_norm"], cfg), None
+
+    # Cached path: write this chunk's keys at slots [index, index + T), attend over all slots.
+    index = cache["index"]
+    k_pos_bs = jax.lax.dynamic_update_slice(cache["pos"], new_pos_bt, (0, index))
+    layer_params = unstack_layers(params)["layers"]
+    new_layers = []
+    for lp, lc, window in zip(layer_params, cache["layers"], windows):
+        def attend(q, k, v, lc=lc, window=window):
+            ck = jax.lax.dynamic_update_slice(lc["k"], k.astype(lc["k"].dtype), (0, index, 0, 0))
+            cv = jax.lax.dynamic_update_slice(lc["v"], v.astype(lc["v"].dtype), (0, index, 0, 0))
+            out = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window, cfg)
+            return out, {"k": ck, "v": cv}
+        h, lc_new = _block(h, lp, attend, positions_bt, cfg)
+        new_layers.append(lc_new)
+    new_cache = {"layers": tuple(new_layers), "pos": k_pos_bs, "index": index + t}
+    return rms_norm(h, params["final_norm"], cfg), new_cache
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):
+    """Vocabulary logits in f32: h @ W^T with W the tied embedding or the LM head."""
+    w_vd = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    logits = jnp.einsum("btd,vd->btv", h_btd, w_vd.astype(h_btd.dtype),
+                        preferred_element_type=jnp.float32)
+    return _softcap(logits, cfg.final_logit_softcap)
+
+
+def forward(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
+            cache: Cache | None = None, *, remat: bool = False):
+    """Pure forward pass: (params, tokens, positions, mask, cache) -> (logits_btv f32, new cache).
+
+    `attn_mask_bt` marks real tokens (False for padding); `positions_bt` defaults to
+    cumsum(mask) - 1. With a cache the tokens are appended at `cache['index']`.
+    """
+    h, new_cache = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, cache, remat=remat)
+    return logits_from_hidden(cfg, params, h), new_cache
