@@ -203,6 +203,10 @@ def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def _int_if_integral(x: float):
+    return int(round(x)) if abs(x - round(x)) < 1e-6 else x
+
+
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """Writes a Hugging Face `config.json` dict that transformers loads into the same model."""
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -244,7 +248,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
             raise CheckpointError("qwen2 export needs qkv_bias=True (transformers' Qwen2 always has it)")
     if cfg.model_type == "gemma2":
         hf.update(
-            query_pre_attn_scalar=round(cfg.query_scale**-2, 6),
+            query_pre_attn_scalar=_int_if_integral(cfg.query_scale**-2),
             attn_logit_softcapping=cfg.attn_logit_softcap,
             final_logit_softcapping=cfg.final_logit_softcap,
             sliding_window=cfg.sliding_window,

@@ -1,0 +1,208 @@
+"""Model parity with Hugging Face transformers, HF I/O round trips, the KV cache and scoring."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from hf_factory import FAMILIES, make_checkpoint
+
+import rljax.models as M
+from rljax.errors import CheckpointError, ConfigError
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = make_checkpoint(request.param, path)
+    cfg, params = M.load_hf(path)
+    return request.param, path, model, cfg, params
+
+
+def _left_padded(rng, batch, length, vocab, pad_id=0):
+    tokens = rng.integers(1, vocab, (batch, length))
+    mask = np.ones((batch, length), bool)
+    for i in range(batch):
+        n_pad = i * 3 % length
+        tokens[i, :n_pad] = pad_id
+        mask[i, :n_pad] = False
+    return tokens, mask
+
+
+def _hf_logits(model, tokens, mask=None, positions=None):
+    kwargs = {}
+    if mask is not None:
+        kwargs["attention_mask"] = torch.tensor(mask.astype(np.int64))
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor(np.asarray(positions, np.int64))
+    with torch.no_grad():
+        return model(torch.tensor(tokens), **kwargs).logits.float().numpy()
+
+
+def test_logits_match_transformers(family_ckpt):
+    """f32 logits equal transformers' on a full batch, within 1e-4 max abs."""
+    _, _, model, cfg, params = family_ckpt
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 13))
+    ours, _ = M.forward(cfg, params, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(model, tokens), atol=TOL, rtol=0)
+
+
+def test_left_padded_batch_matches_transformers(family_ckpt):
+    """With left padding and its attention mask, logits at real tokens equal transformers'."""
+    _, _, model, cfg, params = family_ckpt
+    tokens, mask = _left_padded(np.random.default_rng(1), 3, 12, cfg.vocab_size)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    ours, _ = M.forward(cfg, params, jnp.asarray(tokens), attn_mask_bt=jnp.asarray(mask))
+    ref = _hf_logits(model, tokens, mask, positions)
+    np.testing.assert_allclose(np.asarray(ours)[mask], ref[mask], atol=TOL, rtol=0)
+
+
+def test_kv_cache_decoding_equals_full_forward(family_ckpt):
+    """Prefill then token-by-token decoding through the cache equals one full forward."""
+    _, _, _, cfg, params = family_ckpt
+    tokens, mask = _left_padded(np.random.default_rng(2), 2, 12, cfg.vocab_size)
+    full, _ = M.forward(cfg, params, jnp.asarray(tokens), attn_mask_bt=jnp.asarray(mask))
+    prompt_len = 7
+    cache = M.init_cache(cfg, batch=2, max_len=16)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    step = jax.jit(lambda p, t, pos, m, c: M.forward(cfg, p, t, pos, m, c))
+    logits, cache = step(params, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len], cache)
+    pieces = [logits]
+    for t in range(prompt_len, tokens.shape[1]):
+        logits, cache = step(params, tokens[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1], cache)
+        pieces.append(logits)
+    incremental = np.concatenate([np.asarray(p) for p in pieces], axis=1)
+    np.testing.assert_allclose(incremental[mask], np.asarray(full)[mask], atol=1e-5, rtol=0)
+    assert int(cache["index"]) == tokens.shape[1]
+
+
+def test_export_round_trip_loads_in_transformers(family_ckpt, tmp_path):
+    """save_hf writes a directory transformers loads, with equal logits; load_hf reads it back."""
+    family, _, _, cfg, params = family_ckpt
+    out = M.save_hf(cfg, params, tmp_path / "export")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert reloaded.config.model_type == family
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9))
+    ours, _ = M.forward(cfg, params, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(reloaded, tokens), atol=TOL, rtol=0)
+    cfg2, params2 = M.load_hf(out)
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params, params2)
+
+
+def test_sharded_safetensors_index_loads(tmp_path):
+    """A checkpoint split into several shards with an index loads to the same params."""
+    cfg = M.preset("qwen2-test")
+    params = M.init_params(cfg, jax.random.key(0))
+    M.save_hf(cfg, params, tmp_path / "sharded", max_shard_bytes=20_000)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    _, loaded = M.load_hf(tmp_path / "sharded")
+    jax.tree.map(np.testing.assert_array_equal, params, loaded)
+
+
+def test_token_logprobs_match_reference_log_softmax(family_ckpt):
+    """token_logprobs and entropy equal log_softmax/entropy of transformers' logits; chunking agrees."""
+    _, _, model, cfg, params = family_ckpt
+    tokens, mask = _left_padded(np.random.default_rng(4), 2, 10, cfg.vocab_size)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    ref_logits = torch.tensor(_hf_logits(model, tokens, mask, positions)).double()
+    ref_logp = torch.log_softmax(ref_logits, -1)
+    ref_tok = torch.gather(ref_logp[:, :-1], -1, torch.tensor(tokens[:, 1:, None])).squeeze(-1).numpy()
+    ref_ent = -(ref_logp.exp() * ref_logp).sum(-1)[:, :-1].numpy()
+    logp, ent = M.token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(mask), with_entropy=True)
+    valid = mask[:, :-1] & mask[:, 1:]
+    np.testing.assert_allclose(np.asarray(logp)[:, 1:][valid], ref_tok[valid], atol=TOL)
+    np.testing.assert_allclose(np.asarray(ent)[:, 1:][valid], ref_ent[valid], atol=TOL)
+    assert np.all(np.asarray(logp)[:, 0] == 0)
+    logp_c, ent_c = M.token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(mask), with_entropy=True,
+                                     chunk_size=4)
+    np.testing.assert_allclose(np.asarray(logp_c), np.asarray(logp), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ent_c), np.asarray(ent), atol=1e-6)
+
+
+def test_token_logprobs_gradient_matches_finite_differences():
+    """The scoring function is differentiable: grad wrt the final norm matches central differences."""
+    cfg = M.preset("qwen2-test", num_layers=1)
+    params = M.init_params(cfg, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, cfg.vocab_size)
+
+    def loss(final_norm):
+        return jnp.sum(M.token_logprobs(cfg, {**params, "final_norm": final_norm}, tokens)[0])
+
+    with jax.default_matmul_precision("highest"):
+        x = params["final_norm"].astype(jnp.float64) if jax.config.jax_enable_x64 else params["final_norm"]
+        g = jax.grad(loss)(x)
+        eps = 1e-2
+        for i in (0, 7, 31):
+            e = jnp.zeros_like(x).at[i].set(eps)
+            fd = (loss(x + e) - loss(x - e)) / (2 * eps)
+            np.testing.assert_allclose(float(g[i]), float(fd), rtol=2e-2, atol=2e-3)
+
+
+def test_value_model_shares_backbone_and_starts_at_zero():
+    """The critic reuses the backbone, has a scalar head, outputs [B, T] zeros at init and is trainable."""
+    cfg = M.preset("qwen2-test")
+    params = M.init_params(cfg, jax.random.key(0))
+    vparams = M.init_value_params(cfg, params, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (3, 5), 0, cfg.vocab_size)
+    v = M.values(cfg, vparams, tokens)
+    assert v.shape == (3, 5) and float(jnp.abs(v).max()) == 0.0
+    g = jax.grad(lambda vp: jnp.sum(M.values(cfg, vp, tokens) ** 2 + M.values(cfg, vp, tokens)))(vparams)
+    assert float(jnp.abs(g["value_head"]).max()) > 0
+    h, _ = M.hidden_states(cfg, params, tokens)
+    head = jax.random.normal(jax.random.key(3), (cfg.hidden_size,))
+    v2 = M.values(cfg, {**vparams, "value_head": head}, tokens)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(h @ head), atol=1e-5)
+
+
+def test_param_and_compute_dtypes_are_separate():
+    """bf16 params with f32 compute, and f32 params with bf16 compute, both run and stay close to f32."""
+    cfg = M.preset("qwen2-test")
+    params = M.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+    ref, _ = M.forward(cfg, params, tokens)
+    bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    out1, _ = M.forward(cfg.replace(param_dtype="bfloat16"), bf16_params, tokens)
+    out2, _ = M.forward(cfg.replace(compute_dtype="bfloat16"), params, tokens)
+    assert out1.dtype == jnp.float32 and out2.dtype == jnp.float32
+    assert float(jnp.abs(out1 - ref).max()) < 0.05
+    assert float(jnp.abs(out2 - ref).max()) < 0.05
+    assert M.init_params(cfg.replace(param_dtype="bfloat16"), jax.random.key(0))["embed"].dtype == jnp.bfloat16
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    """An unsupported model_type or feature names the problem in one line."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(CheckpointError, match="model_type 'mixtral' is not supported"):
+        M.load_hf(tmp_path)
+    with pytest.raises(ConfigError, match="num_heads=3 must be a multiple"):
+        M.preset("qwen2-test", num_heads=3)
+
+
+def test_mismatched_shape_names_the_key(tmp_path):
+    """A tensor whose shape disagrees with config.json is reported by its HF key."""
+    make_checkpoint("qwen2", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight"):
+        M.load_hf(tmp_path)
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    """A checkpoint that lacks a tensor names what is missing."""
+    cfg = M.preset("qwen2-test", tie_embeddings=False)
+    M.save_hf(cfg, M.init_params(cfg, jax.random.key(0)), tmp_path / "ck")
+    hf = json.loads((tmp_path / "ck" / "config.json").read_text())
+    hf["num_hidden_layers"] = 3
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match="lacks layer 2"):
+        M.load_hf(tmp_path / "ck")
