@@ -1,0 +1,29 @@
+"""RL objectives as pure functions: advantage estimators, policy losses, aggregation, KL, value
+loss, off-policy corrections and reward transforms, each registered by name.
+
+    from rljax import objectives as obj
+    adv_bt = obj.ADVANTAGES.get("grpo")(rewards_b, group_ids_b, loss_mask_bt)
+    loss_bt, stats = obj.POLICY_LOSSES.get("ppo_clip")(logp_bt, old_logp_bt, adv_bt, loss_mask_bt)
+    loss = obj.aggregate(loss_bt, loss_mask_bt, "token-mean")
+"""
+
+from rljax.objectives.advantages import (dense_rewards, dr_grpo, gae, gae_from_rewards, grpo,
+                                         prompt_major_group_ids, reinforce, reinforce_pp, remax, rloo,
+                                         zero_variance_groups)
+from rljax.objectives.aggregation import aggregate, aggregate_parts
+from rljax.objectives.config import PRESETS, AlgorithmConfig
+from rljax.objectives.kl import k1, k2, k3, kl
+from rljax.objectives.losses import (cispo, gspo, masked_is, policy_gradient, ppo_clip, topr,
+                                     truncated_is, value_loss)
+from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY,
+                                       POLICY_LOSSES, Registry)
+from rljax.objectives.shaping import length_penalty, overlong_penalty
+
+__all__ = [
+    "ADVANTAGES", "POLICY_LOSSES", "AGGREGATIONS", "KL_ESTIMATORS", "OFF_POLICY", "Registry",
+    "AlgorithmConfig", "PRESETS",
+    "grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "remax", "gae", "gae_from_rewards",
+    "dense_rewards", "prompt_major_group_ids", "zero_variance_groups",
+    "ppo_clip", "policy_gradient", "gspo", "cispo", "topr", "value_loss", "truncated_is", "masked_is",
+    "kl", "k1", "k2", "k3", "aggregate", "aggregate_parts", "overlong_penalty", "length_penalty",
+]

@@ -1,0 +1,188 @@
+"""Advantage estimators: rewards (and values) in, per-token advantages [B, T] out.
+
+All estimators share one signature so the update step finds them by name:
+
+    fn(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, baseline_b=None,
+       values_bt=None, gamma=1.0, lam=1.0, std_normalize=True, eps=1e-6) -> adv_bt
+
+`group_ids_b` holds integers in [0, B) naming each row's prompt group (rows of one prompt share
+an id). `token_rewards_bt` is an optional dense per-token reward such as -beta * KL (KL folded
+into the reward); sequence-level estimators add its row sum to the row's reward. Advantages are
+zero outside `loss_mask_bt`. Groups whose rewards are all equal carry no signal: every group
+estimator gives them exactly zero advantage (no 0/0 NaN), and `zero_variance_groups` counts them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.objectives.registry import ADVANTAGES
+
+
+# ----------------------------------------------------------------------------- group statistics
+
+
+def prompt_major_group_ids(batch_size: int, group_size: int):
+    """Group ids for prompt-major rows: row i * n + j is sample j of prompt i -> id i."""
+    return jnp.arange(batch_size, dtype=jnp.int32) // group_size
+
+
+def _group_stats(x_b, group_ids_b):
+    """Per-row group count, sum, mean, unbiased std and a zero-variance flag (all [B])."""
+    b = x_b.shape[0]
+    seg = lambda v: jax.ops.segment_sum(v, group_ids_b, num_segments=b)[group_ids_b]  # noqa: E731
+    n_b = seg(jnp.ones_like(x_b))
+    sum_b = seg(x_b)
+    mean_b = sum_b / n_b
+    var_b = seg(jnp.square(x_b - mean_b)) / jnp.maximum(n_b - 1, 1)
+    gmax = jax.ops.segment_max(x_b, group_ids_b, num_segments=b)[group_ids_b]
+    gmin = jax.ops.segment_min(x_b, group_ids_b, num_segments=b)[group_ids_b]
+    return n_b, sum_b, mean_b, jnp.sqrt(var_b), gmax == gmin
+
+
+def zero_variance_groups(rewards_b, group_ids_b):
+    """Number of groups whose rewards are all equal (they give zero advantage)."""
+    b = rewards_b.shape[0]
+    gmax = jax.ops.segment_max(rewards_b, group_ids_b, num_segments=b)
+    gmin = jax.ops.segment_min(rewards_b, group_ids_b, num_segments=b)
+    present = jax.ops.segment_sum(jnp.ones_like(rewards_b), group_ids_b, num_segments=b) > 0
+    return jnp.sum(present & (gmax == gmin))
+
+
+def _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt):
+    r = rewards_b.astype(jnp.float32)
+    if token_rewards_bt is not None:
+        r = r + jnp.sum(token_rewards_bt * loss_mask_bt, axis=-1)
+    return r
+
+
+def _to_tokens(adv_b, loss_mask_bt):
+    return adv_b[:, None] * loss_mask_bt.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- sequence-level
+
+
+@ADVANTAGES.register("grpo")
+def grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, std_normalize=True,
+         eps=1e-6, **_):
+    """A_i = (r_i - mean_g r) / (std_g r + eps), std optional (GRPO, DeepSeekMath, Shao et al. 2024).
+
+    std is the unbiased group standard deviation; zero-variance groups give A = 0.
+    """
+    r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
+    _, _, mean_b, std_b, flat_b = _group_stats(r_b, group_ids_b)
+    adv_b = r_b - mean_b
+    if std_normalize:
+        adv_b = adv_b / (std_b + eps)
+    return _to_tokens(jnp.where(flat_b, 0.0, adv_b), loss_mask_bt)
+
+
+@ADVANTAGES.register("dr_grpo")
+def dr_grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, **_):
+    """A_i = r_i - mean_g r: GRPO without the std division (Dr. GRPO, *Understanding R1-Zero-like
+    training*, Liu et al. 2025), which removes the bias toward easy or hard prompts."""
+    return grpo(rewards_b, group_ids_b, loss_mask_bt, token_rewards_bt=token_rewards_bt,
+                std_normalize=False)
+
+
+@ADVANTAGES.register("rloo")
+def rloo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, **_):
+    """A_i = r_i - (sum_g r - r_i) / (n_g - 1): leave-one-out baseline (RLOO, *Back to Basics*,
+    Ahmadian et al. 2024). Groups of one sample give A = 0."""
+    r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
+    n_b, sum_b, _, _, flat_b = _group_stats(r_b, group_ids_b)
+    adv_b = r_b - (sum_b - r_b) / jnp.maximum(n_b - 1, 1)
+    return _to_tokens(jnp.where(flat_b | (n_b < 2), 0.0, adv_b), loss_mask_bt)
+
+
+@ADVANTAGES.register("remax")
+def remax(rewards_b, group_ids_b, loss_mask_bt, *, baseline_b=None, token_rewards_bt=None, **_):
+    """A_i = r_i - r(greedy response to the same prompt) (ReMax, Li et al. 2023)."""
+    if baseline_b is None:
+        raise ValueError("remax needs baseline_b: the reward of the greedy response per row")
+    r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
+    return _to_tokens(r_b - baseline_b.astype(jnp.float32), loss_mask_bt)
+
+
+@ADVANTAGES.register("reinforce")
+def reinforce(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, **_):
+    """A_i = r_i - mean_batch r: plain REINFORCE (Williams, 1992) with a batch-mean baseline."""
+    r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
+    return _to_tokens(r_b - jnp.mean(r_b), loss_mask_bt)
+
+
+# ----------------------------------------------------------------------------- token-level
+
+
+def _reverse_discounted_sum(x_bt, mask_bt, gamma):
+    """G_t = x_t + gamma * G_{t'} over masked steps, with t' the next masked step (reverse scan)."""
+    def step(g_next, xs):
+        x, m = xs
+        g = jnp.where(m, x + gamma * g_next, g_next)
+        return g, jnp.where(m, g, 0.0)
+
+    _, g_tb = jax.lax.scan(step, jnp.zeros(x_bt.shape[0], jnp.float32),
+                           (x_bt.T.astype(jnp.float32), mask_bt.T.astype(bool)), reverse=True)
+    return g_tb.T
+
+
+def _last_token_onehot(loss_mask_bt):
+    m = loss_mask_bt.astype(jnp.int32)
+    t = m.shape[-1]
+    last_b = t - 1 - jnp.argmax(m[:, ::-1], axis=-1)
+    return (jnp.arange(t)[None, :] == last_b[:, None]) & (jnp.sum(m, axis=-1, keepdims=True) > 0)
+
+
+def dense_rewards(rewards_b, loss_mask_bt, token_rewards_bt=None):
+    """Per-token rewards: the sequence reward on the last completion token plus any dense part."""
+    r_bt = _last_token_onehot(loss_mask_bt) * rewards_b.astype(jnp.float32)[:, None]
+    if token_rewards_bt is not None:
+        r_bt = r_bt + token_rewards_bt
+    return r_bt * loss_mask_bt
+
+
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, eps=1e-6, **_):
+    """REINFORCE++ (Hu, 2025): return-to-go G_t = sum_{k>=t} r_k of dense rewards (sequence reward
+    at the last token, -beta * KL_t folded in per token), then normalised over all valid tokens of
+    the batch: A_t = (G_t - mean G) / (std G + eps)."""
+    m = loss_mask_bt.astype(jnp.float32)
+    g_bt = _reverse_discounted_sum(dense_rewards(rewards_b, m, token_rewards_bt), m, 1.0)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    mean = jnp.sum(g_bt * m) / n
+    std = jnp.sqrt(jnp.sum(jnp.square(g_bt - mean) * m) / jnp.maximum(n - 1, 1.0))
+    return (g_bt - mean) / (std + eps) * m
+
+
+def gae_from_rewards(rewards_bt, values_bt, mask_bt, gamma: float = 1.0, lam: float = 1.0):
+    """Generalised advantage estimation (Schulman et al., 2016) by reverse `lax.scan` over time.
+
+    delta_t = r_t + gamma * V_{t'} - V_t and A_t = delta_t + gamma * lam * A_{t'}, where t' is the
+    next masked step (V = 0 and A = 0 past the last). values_bt[:, t] is V(state before token t).
+    With gamma = lam = 1, A_t = sum_{k>=t} r_k - V_t.
+    """
+    m_tb = mask_bt.T.astype(bool)
+    r_tb, v_tb = rewards_bt.T.astype(jnp.float32), values_bt.T.astype(jnp.float32)
+
+    def step(carry, xs):
+        a_next, v_next = carry
+        r, v, m = xs
+        a = r + gamma * v_next - v + gamma * lam * a_next
+        return (jnp.where(m, a, a_next), jnp.where(m, v, v_next)), jnp.where(m, a, 0.0)
+
+    zeros = jnp.zeros(r_tb.shape[1], jnp.float32)
+    _, adv_tb = jax.lax.scan(step, (zeros, zeros), (r_tb, v_tb, m_tb), reverse=True)
+    return adv_tb.T
+
+
+@ADVANTAGES.register("gae")
+def gae(rewards_b, group_ids_b, loss_mask_bt, *, values_bt=None, token_rewards_bt=None, gamma=1.0,
+        lam=1.0, **_):
+    """GAE(gamma, lambda) with a value model (PPO, Schulman et al. 2017; GAE 2016); the sequence
+    reward arrives on the last completion token, plus any dense per-token reward."""
+    if values_bt is None:
+        raise ValueError("gae needs values_bt from a value model")
+    m = loss_mask_bt.astype(jnp.float32)
+    return gae_from_rewards(dense_rewards(rewards_b, m, token_rewards_bt), values_bt, m, gamma, lam)

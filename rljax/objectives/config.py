@@ -1,0 +1,144 @@
+"""The algorithm config: a frozen, validated dataclass whose `algorithm` names a preset of pieces.
+
+    AlgorithmConfig(algorithm="dapo")                       # the DAPO recipe
+    AlgorithmConfig(algorithm="grpo", aggregation="token-mean", kl_coef=0.0)   # override pieces
+
+Fields left at None take the preset's value; every piece is looked up in its registry, so an
+unknown name fails with one line listing the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rljax.errors import ConfigError
+from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY,
+                                       POLICY_LOSSES)
+
+_BASE: dict[str, Any] = dict(advantage="grpo", policy_loss="ppo_clip", aggregation="seq-mean-token-mean",
+                             clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                             kl_in_reward=False, std_normalize=True, value_coef=0.0)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeekMath (2024): group-normalised advantage, sequence-then-token mean, k3 KL loss.
+    "grpo": dict(kl_coef=0.04),
+    # Understanding R1-Zero-like training (2025): no std, constant-length normalisation, no KL.
+    "dr_grpo": dict(advantage="dr_grpo", aggregation="seq-mean-token-sum-norm"),
+    # DAPO (2025): clip-higher, token-level loss, no KL (soft overlong punishment: set overlong_*).
+    "dapo": dict(aggregation="token-mean", clip_eps_high=0.28),
+    # Back to Basics (2024): leave-one-out baseline.
+    "rloo": dict(advantage="rloo"),
+    # REINFORCE++ (2025): batch-normalised returns with a k1 KL penalty folded into the reward.
+    "reinforce_pp": dict(advantage="reinforce_pp", aggregation="token-mean", kl_coef=0.01,
+                         kl_estimator="k1", kl_in_reward=True),
+    # ReMax (2023): greedy-reward baseline, REINFORCE summed over tokens.
+    "remax": dict(advantage="remax", policy_loss="pg", aggregation="seq-mean-token-sum"),
+    # PPO (2017) with GAE (2016) and a clipped value loss.
+    "ppo": dict(advantage="gae", aggregation="token-mean", value_coef=0.5),
+    # GSPO (2025): sequence-level ratio with the paper's tight clip range.
+    "gspo": dict(policy_loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4),
+    # MiniMax-M1 (2025): clipped stop-gradient IS weight, no lower bound, token-level loss.
+    "cispo": dict(policy_loss="cispo", aggregation="token-mean", clip_eps_low=1.0, clip_eps_high=0.28),
+    # TOPR (2025): tapered off-policy REINFORCE with a group-mean baseline, no KL.
+    "topr": dict(advantage="dr_grpo", policy_loss="topr", aggregation="seq-mean-token-sum"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """Every piece of an RL objective and the update-step schedule.
+
+    Pieces (None: from the `algorithm` preset): `advantage`, `policy_loss`, `aggregation`,
+    `kl_estimator`, clip range `clip_eps_low`/`clip_eps_high`, `kl_coef`, `kl_in_reward`,
+    `std_normalize` (GRPO), `value_coef` (> 0 trains a value model; PPO).
+    Schedule: `num_epochs` passes over `num_minibatches` shuffled mini-batches, each split into
+    `num_microbatches` for gradient accumulation. `recompute_old_logp` rescores the batch with the
+    current params before updating and treats the batch's `old_logp_bt` as the behaviour policy
+    for the `off_policy` correction ('none', 'tis', 'mis' at `off_policy_level` token|sequence).
+    """
+
+    algorithm: str = "grpo"
+    advantage: str | None = None
+    policy_loss: str | None = None
+    aggregation: str | None = None
+    kl_estimator: str | None = None
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    kl_coef: float | None = None
+    kl_in_reward: bool | None = None
+    std_normalize: bool | None = None
+    value_coef: float | None = None
+    entropy_coef: float = 0.0
+    value_clip: float | None = 0.2
+    gamma: float = 1.0
+    lam: float = 1.0
+    eps: float = 1e-6
+    norm_length: int | None = None
+    off_policy: str = "none"
+    off_policy_level: str = "token"
+    off_policy_cap: float = 2.0
+    recompute_old_logp: bool = False
+    overlong_max_length: int | None = None
+    overlong_buffer: int = 0
+    length_penalty: float = 0.0
+    num_epochs: int = 1
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.algorithm not in PRESETS:
+            raise ConfigError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(sorted(PRESETS))}")
+        for name, value in {**_BASE, **PRESETS[self.algorithm]}.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        ADVANTAGES.get(self.advantage)
+        POLICY_LOSSES.get(self.policy_loss)
+        AGGREGATIONS.get(self.aggregation)
+        KL_ESTIMATORS.get(self.kl_estimator)
+        OFF_POLICY.get(self.off_policy)
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.clip_eps_low >= 0 and self.clip_eps_high >= 0, "clip_eps_low/high must be >= 0")
+        need(self.dual_clip is None or self.dual_clip > 1, f"dual_clip={self.dual_clip} must be > 1 (or None)")
+        need(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0")
+        need(self.value_coef >= 0, f"value_coef={self.value_coef} must be >= 0")
+        need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must lie in [0, 1]")
+        need(self.off_policy_level in ("token", "sequence"),
+             f"off_policy_level={self.off_policy_level!r}; choose one of token, sequence")
+        need(self.off_policy_cap >= 1, f"off_policy_cap={self.off_policy_cap} must be >= 1")
+        need(self.off_policy == "none" or self.recompute_old_logp,
+             f"off_policy={self.off_policy!r} needs recompute_old_logp=True (it compares the trainer's "
+             "log-probs with the sampler's)")
+        need(self.advantage != "gae" or self.value_coef > 0,
+             "advantage='gae' needs a value model: set value_coef > 0")
+        need(self.overlong_max_length is None or 0 <= self.overlong_buffer < self.overlong_max_length,
+             "overlong_buffer must lie in [0, overlong_max_length)")
+        for name in ("num_epochs", "num_minibatches", "num_microbatches"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the objective needs a frozen reference policy (a KL term)."""
+        return self.kl_coef > 0
+
+    @property
+    def uses_values(self) -> bool:
+        return self.value_coef > 0
+
+    def replace(self, **changes) -> AlgorithmConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AlgorithmConfig:
+        """Builds a config from a mapping (e.g. a YAML section); unknown keys are a ConfigError."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ConfigError(f"unknown algorithm config key(s) {unknown}; valid keys: {', '.join(sorted(fields))}")
+        return cls(**d)

@@ -1,0 +1,156 @@
+"""Policy losses, the clipped value loss and off-policy corrections, as per-token functions.
+
+Every policy loss shares one signature so the update step finds it by name:
+
+    fn(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=0.2, eps_high=0.2, dual_clip=None)
+        -> (loss_bt, stats)
+
+`loss_bt` is the per-token loss to minimise (aggregate it with `aggregate`); `stats` holds
+per-token `ratio`, `clip_low` and `clip_high` indicators (where clipping zeroes or caps that
+token's gradient) for the metrics. Ratios are r_t = exp(logp_t - old_logp_t); old log-probs are
+constants (stop-gradient).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.objectives.registry import OFF_POLICY, POLICY_LOSSES
+
+sg = jax.lax.stop_gradient
+
+
+def _stats(ratio_bt, clip_low_bt, clip_high_bt):
+    f32 = jnp.float32
+    return {"ratio": sg(ratio_bt), "clip_low": clip_low_bt.astype(f32), "clip_high": clip_high_bt.astype(f32)}
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=0.2, eps_high=0.2, dual_clip=None, **_):
+    """PPO clipped surrogate (Schulman et al., 2017) with an asymmetric range (DAPO's clip-higher, 2025):
+
+        L_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+
+    and optional dual clip (Ye et al., 2020): for A_t < 0, L_t = min(L_t, -c A_t) with c > 1.
+    clip_low: r_t < 1 - eps_low and A_t < 0; clip_high: r_t > 1 + eps_high and A_t > 0.
+    """
+    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    loss = jnp.maximum(-adv_bt * ratio, -adv_bt * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+    clip_low = (ratio < 1 - eps_low) & (adv_bt < 0)
+    clip_high = (ratio > 1 + eps_high) & (adv_bt > 0)
+    if dual_clip is not None:
+        dual = (adv_bt < 0) & (loss > -dual_clip * adv_bt)
+        loss = jnp.where(dual, -dual_clip * adv_bt, loss)
+        clip_low = clip_low | dual
+    return loss, _stats(ratio, clip_low, clip_high)
+
+
+@POLICY_LOSSES.register("pg")
+def policy_gradient(logp_bt, old_logp_bt, adv_bt, mask_bt, **_):
+    """Unclipped importance-weighted policy gradient L_t = -r_t A_t (REINFORCE, Williams 1992);
+    at r_t = 1 its gradient is -A_t grad log pi."""
+    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    never = jnp.zeros_like(ratio, bool)
+    return -adv_bt * ratio, _stats(ratio, never, never)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=3e-4, eps_high=4e-4, **_):
+    """GSPO (Zheng et al., 2025): a sequence-level, length-normalised ratio
+
+        s_i = exp((1/|y_i|) sum_t (logp_t - old_logp_t)),
+        L_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
+
+    applied per token in the GSPO-token form s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)): its value
+    is s_i and its gradient s_i grad log pi_t, so under seq-mean-token-mean aggregation the token
+    form equals the sequence form. A_i is the row's advantage (constant over its tokens).
+    """
+    m = mask_bt.astype(logp_bt.dtype)
+    n_b = jnp.maximum(jnp.sum(m, axis=-1, keepdims=True), 1.0)
+    log_s_b1 = jnp.sum((logp_bt - sg(old_logp_bt)) * m, axis=-1, keepdims=True) / n_b
+    s_bt = jnp.exp(sg(log_s_b1) + logp_bt - sg(logp_bt))
+    loss = jnp.maximum(-adv_bt * s_bt, -adv_bt * jnp.clip(s_bt, 1 - eps_low, 1 + eps_high))
+    clip_low = (s_bt < 1 - eps_low) & (adv_bt < 0)
+    clip_high = (s_bt > 1 + eps_high) & (adv_bt > 0)
+    return loss, _stats(s_bt, clip_low, clip_high)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=1.0, eps_high=0.28, **_):
+    """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight
+
+        L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t log pi_t,
+
+    so every token keeps a gradient (clipping bounds its weight instead of dropping it).
+    """
+    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    weight = sg(jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+    loss = -weight * adv_bt * logp_bt
+    return loss, _stats(ratio, ratio < 1 - eps_low, ratio > 1 + eps_high)
+
+
+@POLICY_LOSSES.register("topr")
+def topr(logp_bt, old_logp_bt, adv_bt, mask_bt, **_):
+    """TOPR, tapered off-policy REINFORCE (Le Roux et al., 2025):
+
+        L_t = -A_t log pi_t                              if A_t >= 0 (SFT-like, no ratio)
+        L_t = -sg(clip(r_t, 0, 1)) A_t log pi_t          if A_t < 0 (truncated importance weight)
+
+    clip_low marks negative tokens whose weight is truncated (r_t > 1).
+    """
+    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    weight = jnp.where(adv_bt >= 0, 1.0, sg(jnp.minimum(ratio, 1.0)))
+    never = jnp.zeros_like(ratio, bool)
+    return -weight * adv_bt * logp_bt, _stats(ratio, (adv_bt < 0) & (ratio > 1.0), never)
+
+
+def value_loss(values_bt, old_values_bt, returns_bt, clip_eps: float | None = 0.2):
+    """Clipped value loss (PPO, Schulman et al. 2017; as in OpenAI baselines), per token:
+
+        v_clip = v_old + clip(v - v_old, -eps, eps)
+        L_t = 1/2 max((v - R)^2, (v_clip - R)^2)     (1/2 (v - R)^2 without clipping)
+    """
+    unclipped = jnp.square(values_bt - returns_bt)
+    if clip_eps is None:
+        return 0.5 * unclipped
+    v_clip = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip_eps, clip_eps)
+    return 0.5 * jnp.maximum(unclipped, jnp.square(v_clip - returns_bt))
+
+
+# ----------------------------------------------------------------------------- off-policy correction
+# Inputs: log-probs of the trainer's old policy (`old_logp_bt`) and of the policy that actually
+# drew the samples (`behaviour_logp_bt`: an older snapshot in async training, or another engine).
+# Output: (weight_bt, mask_bt) to multiply into the per-token loss and the loss mask.
+
+
+def _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level):
+    log_w = (old_logp_bt - behaviour_logp_bt) * mask_bt
+    if level == "sequence":
+        log_w = jnp.broadcast_to(jnp.sum(log_w, axis=-1, keepdims=True), log_w.shape)
+    elif level != "token":
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    return sg(log_w)
+
+
+@OFF_POLICY.register("none")
+def no_correction(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+    """No correction: weight 1 everywhere (on-policy samples, or a trusted sampler)."""
+    return jnp.ones_like(old_logp_bt), mask_bt
+
+
+@OFF_POLICY.register("tis")
+def truncated_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+    """Truncated importance sampling: w = min(pi_old / mu, cap), per token or per sequence
+    (w = prod_t ratio_t) (Ionides, 2008; as used for sampler/trainer mismatch by verl and TRL)."""
+    w = jnp.exp(jnp.minimum(_log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level), jnp.log(cap)))
+    return w, mask_bt
+
+
+@OFF_POLICY.register("mis")
+def masked_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+    """Masked importance sampling: drop tokens (or whole sequences) whose ratio pi_old / mu lies
+    outside [1/cap, cap]; the rest keep weight 1."""
+    log_w = _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
+    keep = jnp.abs(log_w) <= jnp.log(cap)
+    return jnp.ones_like(old_logp_bt), mask_bt * keep.astype(mask_bt.dtype)

@@ -1,0 +1,52 @@
+"""Name -> function registries: an algorithm is picked by config, never by an if/elif chain.
+
+Each registry knows its own valid names, so config validation and error messages are driven
+from the registry and cannot drift from what is implemented.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+from rljax.errors import ConfigError
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(Generic[F]):
+    """A named table of pure functions of one kind (advantage estimators, policy losses, ...)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._fns: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator: `@ADVANTAGES.register("grpo")` adds the function under `name`."""
+        def add(fn: F) -> F:
+            if name in self._fns:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._fns[name] = fn
+            return fn
+        return add
+
+    def get(self, name: str) -> F:
+        """The function registered as `name`; a one-line ConfigError listing valid names otherwise."""
+        if name not in self._fns:
+            raise ConfigError(f"unknown {self.kind} {name!r}; choose one of {', '.join(self.names())}")
+        return self._fns[name]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._fns))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._fns
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {list(self.names())})"
+
+
+ADVANTAGES: Registry = Registry("advantage estimator")
+POLICY_LOSSES: Registry = Registry("policy loss")
+KL_ESTIMATORS: Registry = Registry("KL estimator")
+AGGREGATIONS: Registry = Registry("loss aggregation")
+OFF_POLICY: Registry = Registry("off-policy correction")
