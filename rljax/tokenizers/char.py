@@ -1,0 +1,72 @@
+"""A character-level tokenizer for tiny jobs (arithmetic prompts like "12+34=").
+
+Ids: 0 = pad, 1 = bos, 2 = eos, then one id per alphabet character in the given order.
+The special-token strings ("<pad>", "<bos>", "<eos>" by default) are recognised in text, as HF
+added tokens are, so a chat template may write `{{ bos_token }}`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from rljax.errors import ConfigError, DataError
+from rljax.tokenizers.base import Tokenizer
+
+# Messages' contents, one after another: tiny alphabets have no room for role markers.
+CONCAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character of `alphabet`, after pad/bos/eos (ids 0, 1, 2)."""
+
+    def __init__(
+        self,
+        alphabet: str | Sequence[str],
+        *,
+        pad_token: str = "<pad>",
+        bos_token: str = "<bos>",
+        eos_token: str = "<eos>",
+        chat_template: str | None = CONCAT_TEMPLATE,
+    ):
+        chars = list(alphabet)
+        if not chars:
+            raise ConfigError("CharTokenizer needs a non-empty alphabet, e.g. CharTokenizer('0123456789+= ')")
+        if any(not isinstance(c, str) or len(c) != 1 for c in chars):
+            raise ConfigError("CharTokenizer alphabet entries must be single characters")
+        dupes = sorted({c for c in chars if chars.count(c) > 1})
+        if dupes:
+            raise ConfigError(f"CharTokenizer alphabet repeats {''.join(dupes)!r}; list each character once")
+        specials = (pad_token, bos_token, eos_token)
+        if len(set(specials)) != 3 or any(len(s) < 2 for s in specials):
+            raise ConfigError("CharTokenizer pad/bos/eos tokens must be distinct strings of 2+ characters")
+        self.alphabet = "".join(chars)
+        self.pieces = (*specials, *chars)
+        self._ids = {p: i for i, p in enumerate(self.pieces)}
+        self._special_re = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+        self.vocab_size = len(self.pieces)
+        self.pad_id, self.bos_id, self.eos_ids = 0, 1, (2,)
+        self.special_tokens = {"pad_token": pad_token, "bos_token": bos_token, "eos_token": eos_token}
+        self.chat_template = chat_template
+
+    def _encode(self, text: str) -> list[int]:
+        ids = []
+        for k, part in enumerate(self._special_re.split(text)):
+            if k % 2:  # a special-token string
+                ids.append(self._ids[part])
+                continue
+            for ch in part:
+                i = self._ids.get(ch)
+                if i is None:
+                    raise DataError(
+                        f"character {ch!r} (U+{ord(ch):04X}) in {text!r} is not in the CharTokenizer "
+                        f"alphabet {self.alphabet!r}; add it to the alphabet"
+                    )
+                ids.append(i)
+        return ids
+
+    def _decode(self, ids: list[int], skip_special: bool) -> str:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise DataError(f"token id {bad[0]} is outside the CharTokenizer vocabulary of {self.vocab_size}")
+        return "".join(self.pieces[i] for i in ids if not (skip_special and i < 3))
