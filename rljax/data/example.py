@@ -1,0 +1,68 @@
+"""One task record, and the question normalisation that keeps held-out splits honest.
+
+An `Example` is what every task source yields: the question text (or chat messages), the
+reference answer, optional unit tests, a metadata dict and an id that does not change between
+runs. Verifiers read `answer`/`tests`; reasoning-gym tasks also keep their raw `entry` so the
+generator's own `score_answer(answer, entry)` can grade a completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import unicodedata
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rljax.errors import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt of a task.
+
+    Attributes:
+      id: stable identifier, unique within its source (e.g. ``"chain_sum/0/17"``, ``"gsm8k:12"``).
+      question: the problem text; prompt templates format it as ``{question}``.
+      answer: the reference answer, as text.
+      messages: chat messages ``({"role": ..., "content": ...}, ...)`` when the source gives a
+        conversation instead of a bare question; chat templates then use them as they are.
+      tests: unit tests for code tasks, in whatever form the code verifier takes.
+      metadata: free-form JSON-like facts about the example (difficulty, source, ...).
+      entry: the raw source record (the reasoning-gym entry), kept for ``score_answer``.
+    """
+
+    id: str
+    question: str
+    answer: str
+    messages: tuple[Mapping[str, str], ...] | None = None
+    tests: Any = None
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    entry: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def normalize_question(text: str) -> str:
+    """The key on which questions are compared: NFKC, case-folded, whitespace collapsed.
+
+    Two questions that differ only in case, spacing or Unicode form are the same question, so
+    a held-out split built on this key cannot leak a re-spaced copy of an eval problem.
+    """
+    return _SPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+
+
+def question_key(example: Example) -> str:
+    """Normalised question text of an example; chat examples use the text of every message."""
+    if example.messages is not None and not example.question:
+        return normalize_question("\n".join(str(m.get("content", "")) for m in example.messages))
+    return normalize_question(example.question)
+
+
+def as_messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
+    """Validate a chat conversation: a list of ``{"role", "content"}`` dicts."""
+    if not isinstance(value, Sequence) or isinstance(value, str) or not all(
+            isinstance(m, Mapping) and "role" in m and "content" in m for m in value):
+        raise DataError(f"{where}: chat messages must be a list of {{'role', 'content'}} dicts")
+    return tuple({"role": str(m["role"]), "content": str(m["content"])} for m in value)

@@ -1,0 +1,123 @@
+"""The grain pipeline: seeded shuffling, process sharding, fixed-size batches, exact resume.
+
+    range(N) -> shuffle(seed) -> repeat(epochs) -> batch(global B) -> this process's rows -> PromptBatch
+
+Every process builds the same global batches of example indices and keeps its own contiguous
+slice of each, so the processes partition every batch disjointly and their union is exactly the
+single-process batch. `repeat` reshuffles each epoch (grain seeds epoch e with seed + e) and
+batches run across epoch boundaries, so no example is dropped. The iterator's
+``get_state()``/``set_state()`` (a small JSON dict) is what goes into the checkpoint; setting
+it on a fresh iterator continues with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from rljax.data.example import Example
+from rljax.data.templates import PromptFormat, PromptTokenizer, left_pad, render_prompt
+from rljax.errors import ConfigError, DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """One process's prompts for one step.
+
+    tokens_bt: int32 ``[B, T]`` left-padded prompt tokens, ``T`` one of the buckets.
+    mask_bt: bool ``[B, T]``, True on real tokens.
+    indices_b: int64 ``[B]`` positions of the rows in `PromptData.examples`.
+    examples: the `Example` of each row (answers and tests for the verifiers).
+    """
+
+    tokens_bt: np.ndarray
+    mask_bt: np.ndarray
+    indices_b: np.ndarray
+    examples: tuple[Example, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptData:
+    """A ready pipeline: `dataset` yields `PromptBatch`es; `iter(dataset)` has get/set_state."""
+
+    dataset: grain.MapDataset
+    examples: tuple[Example, ...]
+    num_too_long: int
+    local_batch_size: int
+
+
+def shard_rows(global_batch_size: int, process_index: int, process_count: int) -> slice:
+    """The contiguous rows of a global batch that belong to one process."""
+    if not 0 <= process_index < process_count:
+        raise ConfigError(f"process_index={process_index} must be in [0, {process_count})")
+    if global_batch_size % process_count:
+        raise ConfigError(f"batch size {global_batch_size} must be divisible by the "
+                          f"{process_count} processes")
+    per = global_batch_size // process_count
+    return slice(process_index * per, (process_index + 1) * per)
+
+
+def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax
+
+        return jax.process_index(), jax.process_count()
+    return process_index, process_count
+
+
+def index_batches(num_examples: int, global_batch_size: int, *, seed: int, shuffle: bool = True,
+                  num_epochs: int | None = None, process_index: int | None = None,
+                  process_count: int | None = None) -> grain.MapDataset:
+    """A grain dataset of this process's example indices, int64 ``[global_batch_size // P]``.
+
+    `num_epochs=None` repeats forever; otherwise the trailing partial batch is dropped so every
+    batch has the same static shape. Process defaults: `jax.process_index()/process_count()`.
+    """
+    if num_examples < 1:
+        raise DataError("the training set is empty; check the data source and its filters")
+    if global_batch_size < 1:
+        raise ConfigError(f"batch size {global_batch_size} must be >= 1")
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"data seed {seed} must be in [0, 2**32)")
+    rows = shard_rows(global_batch_size, *_process(process_index, process_count))
+    ds = grain.MapDataset.range(num_examples)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs).batch(global_batch_size, drop_remainder=True)
+    return ds.map(lambda idx_b: np.asarray(idx_b, np.int64)[rows])
+
+
+def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, batch_size: int, seed: int,
+                   max_prompt_len: int, fmt: PromptFormat = PromptFormat(), buckets: Sequence[int] | None = None,
+                   add_bos: bool = False, shuffle: bool = True, num_epochs: int | None = None,
+                   process_index: int | None = None, process_count: int | None = None) -> PromptData:
+    """Render and tokenise every prompt once, drop those over `max_prompt_len`, batch the rest.
+
+    `batch_size` is global (all processes together). Prompts are left-padded to the smallest of
+    `buckets` (default: just `max_prompt_len`) that fits the batch's longest prompt. Dropped
+    over-long prompts are counted in `PromptData.num_too_long`.
+    """
+    buckets = tuple(sorted(buckets or (max_prompt_len,)))
+    if buckets[-1] > max_prompt_len:
+        raise ConfigError(f"bucket {buckets[-1]} exceeds max_prompt_len={max_prompt_len}")
+    texts = [render_prompt(ex, fmt, tokenizer) for ex in examples]
+    if hasattr(tokenizer, "encode_batch"):
+        ids = tokenizer.encode_batch(texts, add_bos=add_bos)
+    else:
+        ids = [tokenizer.encode(t, add_bos=add_bos) for t in texts]
+    keep = [i for i, t in enumerate(ids) if len(t) <= max_prompt_len]
+    kept_examples = tuple(examples[i] for i in keep)
+    kept_ids = [list(ids[i]) for i in keep]
+    index_ds = index_batches(len(kept_examples), batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
+                             process_index=process_index, process_count=process_count)
+    pad_id = tokenizer.pad_id
+
+    def to_batch(idx_b: np.ndarray) -> PromptBatch:
+        tokens_bt, mask_bt = left_pad([kept_ids[i] for i in idx_b], pad_id, buckets)
+        return PromptBatch(tokens_bt, mask_bt, idx_b, tuple(kept_examples[i] for i in idx_b))
+
+    local = batch_size // _process(process_index, process_count)[1]
+    return PromptData(index_ds.map(to_batch), kept_examples, len(examples) - len(keep), local)

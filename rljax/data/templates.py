@@ -1,0 +1,107 @@
+"""Prompt text from examples, and prompt tokens as left-padded, bucketed arrays.
+
+A `PromptFormat` is a format string over ``{question}`` and the example's metadata keys,
+optionally wrapped in the tokenizer's chat template. Prompts are left-padded so every row's
+last prompt token sits in the same column, which is where the sampler starts generating.
+The reference answer is deliberately not a template field: it must never reach the prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from rljax.data.example import Example
+from rljax.errors import ConfigError, DataError
+
+
+class PromptTokenizer(Protocol):
+    """The part of `rljax.tokenizers.Tokenizer` that prompt rendering uses."""
+
+    pad_id: int
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFormat:
+    """How an `Example` becomes prompt text.
+
+    template: ``str.format`` string over ``question`` and the example's metadata keys.
+    chat: wrap the formatted text as a user message in the tokenizer's chat template
+      (examples that carry `messages` use those as they are).
+    system: an optional system message for chat prompts.
+    """
+
+    template: str = "{question}"
+    chat: bool = False
+    system: str | None = None
+
+    def __post_init__(self):
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+        except ValueError as err:
+            raise ConfigError(f"prompt template {self.template!r} is not a format string: {err}") from None
+        if "answer" in names:
+            raise ConfigError("prompt template must not use {answer}: the reference answer would leak into the prompt")
+        if any(not n or not n.isidentifier() for n in names):
+            raise ConfigError(f"prompt template {self.template!r} needs named fields such as {{question}}")
+
+    def fields(self) -> tuple[str, ...]:
+        return tuple(f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None)
+
+
+def render_prompt(example: Example, fmt: PromptFormat, tokenizer: PromptTokenizer | None = None) -> str:
+    """Prompt text for one example: the filled template, chat-wrapped when `fmt.chat`."""
+    if example.messages is not None:
+        if not fmt.chat:
+            raise ConfigError(f"example {example.id!r} is a chat conversation; set the prompt format's chat=True")
+        messages = list(example.messages)
+    else:
+        values: dict[str, Any] = {**example.metadata, "question": example.question}
+        missing = [f for f in fmt.fields() if f not in values]
+        if missing:
+            raise ConfigError(f"prompt template field {missing[0]!r} is not in example {example.id!r}; "
+                              f"available: {sorted(values)}")
+        text = fmt.template.format(**values)
+        if not fmt.chat:
+            return text
+        messages = [{"role": "user", "content": text}]
+    if fmt.system is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": fmt.system}, *messages]
+    if tokenizer is None:
+        raise ConfigError("a chat prompt format needs a tokenizer with a chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `length` tokens (buckets sorted ascending)."""
+    for b in buckets:
+        if length <= b:
+            return b
+    raise DataError(f"a prompt of {length} tokens is longer than the largest bucket {buckets[-1]}; "
+                    "raise the max prompt length")
+
+
+def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int, buckets: Sequence[int]
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token lists to the smallest bucket that fits the longest one.
+
+    Returns ``tokens_bt`` int32 and ``mask_bt`` bool (True on real tokens), both ``[B, T]`` with
+    ``T`` one of `buckets`, so a jitted consumer compiles once per bucket, not once per batch.
+    """
+    longest = max((len(t) for t in token_lists), default=0)
+    width = bucket_length(longest, sorted(buckets))
+    tokens_bt = np.full((len(token_lists), width), pad_id, np.int32)
+    mask_bt = np.zeros((len(token_lists), width), bool)
+    for row, ids in enumerate(token_lists):
+        if ids:
+            tokens_bt[row, width - len(ids):] = ids
+            mask_bt[row, width - len(ids):] = True
+    return tokens_bt, mask_bt
