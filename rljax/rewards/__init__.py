@@ -1,0 +1,34 @@
+"""Verifiable rewards: verifiers, their composition, and the host callback that runs them from jit.
+
+```python
+from rljax import rewards
+reward = rewards.compose(correct=(1.0, rewards.MathAnswer()), format=(0.1, rewards.TagFormat()))
+scores, infos = reward.batch([{"answer": "1/2"}], ["<think>…</think><answer>\\frac12</answer>"])
+```
+"""
+
+from rljax.rewards.base import (
+    FunctionVerifier,
+    Part,
+    RewardFn,
+    Rewards,
+    Verifier,
+    compose,
+    verifier,
+)
+from rljax.rewards.callback import RewardCallback, as_callback
+from rljax.rewards.code import CodeTests, extract_code
+from rljax.rewards.extract import answer_tag, boxed, extract_answer, final_line, hash_answer
+from rljax.rewards.math import MathAnswer, math_verify
+from rljax.rewards.pool import Outcome, Task, VerifierPool, default_pool
+from rljax.rewards.reasoning import ReasoningGymAnswer, reasoning_gym_examples
+from rljax.rewards.sandbox import SandboxLimits, run_code
+from rljax.rewards.shaping import OverlongPenalty, RegexFormat, TagFormat, TargetLength
+
+__all__ = [
+    "CodeTests", "FunctionVerifier", "MathAnswer", "OverlongPenalty", "Outcome", "Part",
+    "ReasoningGymAnswer", "RegexFormat", "RewardCallback", "RewardFn", "Rewards", "SandboxLimits",
+    "TagFormat", "TargetLength", "Task", "Verifier", "VerifierPool", "answer_tag", "as_callback",
+    "boxed", "compose", "default_pool", "extract_answer", "extract_code", "final_line",
+    "hash_answer", "math_verify", "reasoning_gym_examples", "run_code", "verifier",
+]

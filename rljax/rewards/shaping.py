@@ -1,0 +1,116 @@
+"""Format and length rewards.
+
+- `TagFormat`: 1 when the completion has the ``<think>…</think><answer>…</answer>`` shape
+  (DeepSeek-R1, 2025, rewards this structure alongside correctness).
+- `RegexFormat`: 1 when a regular expression matches.
+- `TargetLength`: ``1 − |L − L_target| / L_target``, floored at 0, rewarding a length budget
+  (in the spirit of LASER and GRPO-λ, 2025).
+- `OverlongPenalty`: DAPO's soft overlong punishment (DAPO, 2025), with ``L`` the completion's
+  length in tokens, ``L_max`` the generation limit and ``L_cache`` the buffer::
+
+      R(L) = 0                              if L ≤ L_max − L_cache
+           = ((L_max − L_cache) − L) / L_cache   if L_max − L_cache < L ≤ L_max
+           = −1                             if L > L_max
+
+  It is a penalty: compose it with weight 1 and it subtracts from the total.
+
+All are cheap and pure (``time_limit_s = None``), so they run inline, not in the pool. Length
+verifiers read ``metadata["completion_tokens"]``, filled in by `RewardFn.batch(num_tokens=...)`
+and by `as_callback`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+from rljax.errors import ConfigError
+from rljax.rewards.base import NUM_TOKENS_KEY
+
+THINK_ANSWER = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
+
+
+@dataclasses.dataclass(frozen=True)
+class RegexFormat:
+    """1.0 if ``pattern`` matches the completion (``re.search``, DOTALL), else 0.0."""
+
+    pattern: str
+    name: str = "format"
+    time_limit_s: float | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError(f"RegexFormat pattern {self.pattern!r} does not compile: {e}") from e
+
+    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
+        return float(re.search(self.pattern, completion, re.DOTALL) is not None), {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TagFormat:
+    """1.0 for exactly ``<think>…</think><answer>…</answer>`` (each tag once, nothing around)."""
+
+    think_tag: str = "think"
+    answer_tag: str = "answer"
+    name: str = "format"
+    time_limit_s: float | None = None
+
+    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
+        t, a = re.escape(self.think_tag), re.escape(self.answer_tag)
+        shaped = re.fullmatch(rf"\s*<{t}>.*</{t}>\s*<{a}>.*</{a}>\s*", completion, re.DOTALL)
+        once = all(completion.count(f"<{x}>") == 1 and completion.count(f"</{x}>") == 1
+                   for x in (self.think_tag, self.answer_tag))
+        return float(bool(shaped) and once), {}
+
+
+def _num_tokens(metadata: Mapping[str, Any]) -> int:
+    if NUM_TOKENS_KEY not in metadata:
+        raise ConfigError(f"length rewards need metadata[{NUM_TOKENS_KEY!r}]; "
+                          "pass num_tokens= to RewardFn.batch")
+    return int(metadata[NUM_TOKENS_KEY])
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetLength:
+    """``max(0, 1 − |L − target| / target)`` with L in tokens: 1 at the target, 0 at 0 or 2×target."""
+
+    target_tokens: int
+    name: str = "length"
+    time_limit_s: float | None = None
+    needs_num_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.target_tokens <= 0:
+            raise ConfigError(f"TargetLength.target_tokens must be > 0, got {self.target_tokens}")
+
+    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
+        n = _num_tokens(metadata)
+        return max(0.0, 1.0 - abs(n - self.target_tokens) / self.target_tokens), {"tokens": n}
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO (2025) soft overlong punishment in [−1, 0]; see the module docstring for the formula."""
+
+    max_tokens: int
+    buffer_tokens: int
+    name: str = "overlong"
+    time_limit_s: float | None = None
+    needs_num_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.buffer_tokens <= self.max_tokens:
+            raise ConfigError(f"OverlongPenalty needs 0 < buffer_tokens <= max_tokens, got "
+                              f"buffer_tokens={self.buffer_tokens}, max_tokens={self.max_tokens}")
+
+    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
+        n = _num_tokens(metadata)
+        safe = self.max_tokens - self.buffer_tokens
+        if n <= safe:
+            return 0.0, {"tokens": n}
+        if n <= self.max_tokens:
+            return (safe - n) / self.buffer_tokens, {"tokens": n}
+        return -1.0, {"tokens": n}
