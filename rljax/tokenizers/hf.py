@@ -114,10 +114,10 @@ class HFTokenizer(Tokenizer):
             if entry.get("content") and backend.token_to_id(entry["content"]) is None:
                 token = tokenizers.AddedToken(entry["content"], special=bool(entry.get("special")))
                 backend.add_tokens([token])
-        wanted = [*named.values(), *(token_content(t) for t in extras)]
-        missing = [t for t in dict.fromkeys(wanted) if t and backend.token_to_id(t) is None]
-        if missing:
-            backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in missing])
+        # ... and registers every named special token as special, even one that is an ordinary
+        # vocabulary entry (e.g. "[UNK]" in a WordLevel vocab), so decode(skip_special) drops it.
+        wanted = [t for t in dict.fromkeys([*named.values(), *(token_content(t) for t in extras)]) if t]
+        backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in wanted])
         model_is_bpe = type(backend.model).__name__ == "BPE"
         clean = bool(config.get("clean_up_tokenization_spaces", False)) and (
             not model_is_bpe
