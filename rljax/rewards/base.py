@@ -171,7 +171,7 @@ def compose(*verifiers: Verifier, **terms: Verifier | tuple[float, Verifier]) ->
         reward = compose(correct=(1.0, MathAnswer()), format=(0.1, TagFormat()),
                          overlong=OverlongPenalty(max_tokens=4096, buffer_tokens=512))
     """
-    parts = [Part(v.name, 1.0, v) for v in verifiers]
+    parts = [Part(getattr(v, "name", repr(v)), 1.0, v) for v in verifiers]
     for name, term in terms.items():
         weight, v = term if isinstance(term, tuple) else (1.0, term)
         parts.append(Part(name, float(weight), v))

@@ -1,0 +1,18 @@
+"""Verifiers for the reward tests that misbehave on purpose.
+
+They live in this light module (no jax import) so a pool worker unpickling them starts them at once;
+a test module that imports jax would spend the verifier's time limit on the import.
+"""
+
+import time
+
+
+def slow(metadata, completion):
+    """Hangs far past any test's limit."""
+    time.sleep(60)
+    return 1.0
+
+
+def crash(metadata, completion):
+    """Raises, as a buggy verifier would."""
+    raise RuntimeError("verifier bug")
