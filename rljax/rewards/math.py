@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Mapping
 
 from rljax.rewards.extract import METHODS, extract_answer
@@ -25,7 +26,8 @@ def _parse(text: str) -> list:
 
 def _as_latex(answer: str) -> str:
     """Gold answers and extracted spans are bare LaTeX/expressions; math-verify wants delimiters."""
-    return answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+    delimited = re.search(r"(?<!\\)\$", answer) or "\\boxed" in answer  # an unescaped $
+    return answer if delimited else f"${answer}$"
 
 
 def math_verify(completion: str, answer: str, *,
