@@ -105,6 +105,11 @@ def _run_process(root: str, work: str, mode: str, stdin: bytes, limits: SandboxL
                     flag = "output_limit"
             if flag:
                 break
+    if flag is None:  # pipes closed: the child is done; collect the launcher's relayed status
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            flag = "timeout"
     _kill_group(proc)
     proc.stdout.close()
     proc.stderr.close()
