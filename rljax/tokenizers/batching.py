@@ -43,7 +43,9 @@ def pad_batch(
     longest = max((len(r) for r in rows), default=0)
     if length is not None:
         if longest > length:
-            raise DataError(f"a sequence of {longest} tokens does not fit length={length}; raise it or truncate")
+            raise DataError(
+                f"a sequence of {longest} tokens does not fit length={length}; raise it or truncate"
+            )
         t = length
     elif bucket is not None:
         t = bucket_length(longest, bucket)

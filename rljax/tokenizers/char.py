@@ -31,22 +31,32 @@ class CharTokenizer(Tokenizer):
     ):
         chars = list(alphabet)
         if not chars:
-            raise ConfigError("CharTokenizer needs a non-empty alphabet, e.g. CharTokenizer('0123456789+= ')")
+            raise ConfigError(
+                "CharTokenizer needs a non-empty alphabet, e.g. CharTokenizer('0123456789+= ')"
+            )
         if any(not isinstance(c, str) or len(c) != 1 for c in chars):
             raise ConfigError("CharTokenizer alphabet entries must be single characters")
         dupes = sorted({c for c in chars if chars.count(c) > 1})
         if dupes:
-            raise ConfigError(f"CharTokenizer alphabet repeats {''.join(dupes)!r}; list each character once")
+            raise ConfigError(
+                f"CharTokenizer alphabet repeats {''.join(dupes)!r}; list each character once"
+            )
         specials = (pad_token, bos_token, eos_token)
         if len(set(specials)) != 3 or any(len(s) < 2 for s in specials):
-            raise ConfigError("CharTokenizer pad/bos/eos tokens must be distinct strings of 2+ characters")
+            raise ConfigError(
+                "CharTokenizer pad/bos/eos tokens must be distinct strings of 2+ characters"
+            )
         self.alphabet = "".join(chars)
         self.pieces = (*specials, *chars)
         self._ids = {p: i for i, p in enumerate(self.pieces)}
         self._special_re = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
         self.vocab_size = len(self.pieces)
         self.pad_id, self.bos_id, self.eos_ids = 0, 1, (2,)
-        self.special_tokens = {"pad_token": pad_token, "bos_token": bos_token, "eos_token": eos_token}
+        self.special_tokens = {
+            "pad_token": pad_token,
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+        }
         self.chat_template = chat_template
 
     def _encode(self, text: str) -> list[int]:
@@ -59,8 +69,8 @@ class CharTokenizer(Tokenizer):
                 i = self._ids.get(ch)
                 if i is None:
                     raise DataError(
-                        f"character {ch!r} (U+{ord(ch):04X}) in {text!r} is not in the CharTokenizer "
-                        f"alphabet {self.alphabet!r}; add it to the alphabet"
+                        f"character {ch!r} (U+{ord(ch):04X}) in {text!r} is not in the "
+                        f"CharTokenizer alphabet {self.alphabet!r}; add it to the alphabet"
                     )
                 ids.append(i)
         return ids
@@ -68,5 +78,7 @@ class CharTokenizer(Tokenizer):
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise DataError(f"token id {bad[0]} is outside the CharTokenizer vocabulary of {self.vocab_size}")
+            raise DataError(
+                f"token id {bad[0]} is outside the CharTokenizer vocabulary of {self.vocab_size}"
+            )
         return "".join(self.pieces[i] for i in ids if not (skip_special and i < 3))

@@ -16,7 +16,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -31,7 +31,7 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 class _GenerationBlock(jinja2.ext.Extension):
     """Accepts `{% generation %}...{% endgeneration %}` and renders the body as is."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -59,7 +59,9 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot set {name!r} on a namespace"
+            )
 
 
 class _Dict:
@@ -76,10 +78,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -100,7 +108,9 @@ def compile_template(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"chat template does not parse (line {e.lineno}: {e.message}); fix the template") from e
+        raise ConfigError(
+            f"chat template does not parse (line {e.lineno}: {e.message}); fix the template"
+        ) from e
 
 
 def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -125,7 +135,9 @@ def render_chat(
 ) -> str:
     """Render one conversation; template errors (`raise_exception`) become a one-line DataError."""
     if len(messages) == 0:
-        raise DataError("cannot apply a chat template to an empty conversation; pass at least one message")
+        raise DataError(
+            "cannot apply a chat template to an empty conversation; pass at least one message"
+        )
     chat = [_plain_message(m) for m in messages]
     variables = {**special_tokens, **kwargs}
     try:

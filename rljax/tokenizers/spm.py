@@ -15,7 +15,14 @@ import sentencepiece as spm
 
 from rljax.errors import DataError
 from rljax.tokenizers.base import Tokenizer
-from rljax.tokenizers.hf import NAMED_SPECIALS, chat_template_from_dir, config_eos_ids, read_json, token_content, unique
+from rljax.tokenizers.hf import (
+    NAMED_SPECIALS,
+    chat_template_from_dir,
+    config_eos_ids,
+    read_json,
+    token_content,
+    unique,
+)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -26,11 +33,17 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
         except (OSError, RuntimeError) as e:
-            raise DataError(f"{model_file} is not a sentencepiece model ({e}); pass a valid .model file") from e
+            raise DataError(
+                f"{model_file} is not a sentencepiece model ({e}); pass a valid .model file"
+            ) from e
         sp = self.sp
         self.vocab_size = sp.get_piece_size()
-        named = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id(),
-                 "pad_token": sp.pad_id()}
+        named = {
+            "bos_token": sp.bos_id(),
+            "eos_token": sp.eos_id(),
+            "unk_token": sp.unk_id(),
+            "pad_token": sp.pad_id(),
+        }
         self.special_tokens = {n: sp.id_to_piece(i) for n, i in named.items() if i >= 0}
         config, extra_eos, self.chat_template = {}, [], None
         if config_dir is not None:
@@ -40,7 +53,9 @@ class SentencePieceTokenizer(Tokenizer):
             self.chat_template = chat_template_from_dir(config_dir, config)
         for name in NAMED_SPECIALS:
             token = token_content(config.get(name))
-            if token and (sp.piece_to_id(token) != sp.unk_id() or token == sp.id_to_piece(sp.unk_id())):
+            if token and (
+                sp.piece_to_id(token) != sp.unk_id() or token == sp.id_to_piece(sp.unk_id())
+            ):
                 self.special_tokens[name] = token
         ids = {n: sp.piece_to_id(t) for n, t in self.special_tokens.items()}
         self.bos_id = ids.get("bos_token")
@@ -59,7 +74,9 @@ class SentencePieceTokenizer(Tokenizer):
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise DataError(f"token id {bad[0]} is outside this sentencepiece vocabulary of {self.vocab_size}")
+            raise DataError(
+                f"token id {bad[0]} is outside this sentencepiece vocabulary of {self.vocab_size}"
+            )
         if skip_special:
             return self.sp.decode([i for i in ids if i not in self._control])
         # Keep control symbols as their piece text, decoding the runs between them.
