@@ -1,0 +1,74 @@
+"""rewards.compose, format/length shaping and reasoning-gym verifiers."""
+
+import numpy as np
+import pytest
+
+from rljax import rewards
+from rljax.errors import ConfigError
+from rljax.rewards.pool import VerifierPool
+
+INLINE = VerifierPool(0)
+
+
+def dapo_reference(n, l_max, l_cache):
+    """DAPO (2025) eq. 13, written out directly."""
+    if n <= l_max - l_cache:
+        return 0.0
+    if n <= l_max:
+        return ((l_max - l_cache) - n) / l_cache
+    return -1.0
+
+
+def test_overlong_penalty_matches_dapo_formula():
+    """OverlongPenalty equals DAPO's piecewise soft punishment at every length 0..L_max+5."""
+    pen = rewards.OverlongPenalty(max_tokens=20, buffer_tokens=8)
+    for n in range(26):
+        assert pen({"completion_tokens": n}, "")[0] == pytest.approx(dapo_reference(n, 20, 8))
+
+
+def test_target_length_and_tag_format():
+    """TargetLength peaks at the target; TagFormat needs think-then-answer, each tag once."""
+    tl = rewards.TargetLength(target_tokens=10)
+    assert [tl({"completion_tokens": n}, "")[0] for n in (0, 5, 10, 15, 20, 30)] == \
+        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    fmt = rewards.TagFormat()
+    assert fmt({}, "<think>a</think>\n<answer>b</answer>")[0] == 1.0
+    assert fmt({}, "<answer>b</answer><think>a</think>")[0] == 0.0
+    assert fmt({}, "<think>a</think><answer>b</answer><answer>c</answer>")[0] == 0.0
+    assert fmt({}, "text <think>a</think><answer>b</answer>")[0] == 0.0
+    assert rewards.RegexFormat(r"\\boxed\{")({}, "x \\boxed{1}")[0] == 1.0
+
+
+def test_compose_weights_and_reports_parts():
+    """total = Σ weight·part, each part reported unweighted under its name."""
+    reward = rewards.compose(correct=(1.0, rewards.MathAnswer()), format=(0.1, rewards.TagFormat()),
+                             overlong=rewards.OverlongPenalty(max_tokens=10, buffer_tokens=5))
+    metas = [{"answer": "4"}] * 3
+    texts = ["<think>2+2</think><answer>4</answer>", "<answer>5</answer>", "\\boxed{4}"]
+    out, infos = reward.batch(metas, texts, num_tokens=[3, 8, 12], pool=INLINE)
+    np.testing.assert_allclose(out.parts["correct"], [1, 0, 1])
+    np.testing.assert_allclose(out.parts["format"], [1, 0, 0])
+    np.testing.assert_allclose(out.parts["overlong"], [0, -0.6, -1])
+    np.testing.assert_allclose(out.total_b, [1.1, -0.6, 0.0], atol=1e-6)
+    assert out.total_b.dtype == np.float32 and not out.failed_b.any()
+    assert infos[0]["correct"]["method"] == "answer_tag"
+
+
+def test_length_parts_need_num_tokens():
+    """A length reward without num_tokens is a ConfigError naming the fix."""
+    reward = rewards.compose(rewards.TargetLength(target_tokens=5))
+    with pytest.raises(ConfigError, match="num_tokens"):
+        reward.batch([{}], ["x"], pool=INLINE)
+
+
+def test_reasoning_gym_task_source_and_verifier():
+    """Generated problems score 1 with their gold answer in <answer> tags, 0 with a wrong one."""
+    rows = rewards.reasoning_gym_examples("basic_arithmetic", size=4, seed=3)
+    rows += rewards.reasoning_gym_examples("chain_sum", size=2, seed=1)
+    v = rewards.ReasoningGymAnswer()
+    for row in rows:
+        assert v(row, f"<think>…</think><answer>{row['answer']}</answer>")[0] == 1.0
+        assert v(row, "<answer>not a number</answer>")[0] == 0.0
+        assert v(row, "")[0] == 0.0
+    with pytest.raises(ConfigError.__mro__[1]):
+        rewards.reasoning_gym_examples("no_such_task", size=1)
