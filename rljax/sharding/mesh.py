@@ -1,0 +1,86 @@
+"""A device mesh from config: axes (data, fsdp, tensor), sizes filled in from the device count.
+
+Axis order goes from least to most communication: `data` (pure replicas, only gradients are
+all-reduced; put it across hosts/DCN), `fsdp` (params and optimiser state sharded, all-gathered
+per layer: ZeRO-3, Rajbhandari et al., 2020), `tensor` (heads and the MLP split inside each
+matmul: Megatron-LM, Shoeybi et al., 2019; innermost, so it lands on the fastest links).
+
+Axis types are `Auto`, chosen deliberately. JAX 0.10's `jax.make_mesh` defaults to `Explicit`
+axes, where shardings are part of every array's type and any op whose operands disagree (an FSDP
+matmul contracting over a sharded dim, an embedding gather from a sharded table) must say how to
+reshard with `out_sharding=`. That would put layout annotations inside `rljax.models`. With `Auto`
+axes the model code stays layout-free: compiled functions take explicit in/out shardings (pjit
+semantics) and the compiler propagates them through the body, inserting the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from rljax.errors import ConfigError
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # batches and activations shard their leading dim over both
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the (data, fsdp, tensor) mesh axes; at most one may be -1, meaning "the rest".
+
+    The default, data=1, fsdp=-1, tensor=1, is plain FSDP over every device.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ConfigError(f"mesh sizes {dict(zip(AXES, sizes))} must be positive or -1 (the rest)")
+        if sizes.count(-1) > 1:
+            raise ConfigError(f"mesh sizes {dict(zip(AXES, sizes))}: at most one axis may be -1")
+
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        """Axis sizes with -1 filled in so that their product is `num_devices`."""
+        sizes = list(self.sizes())
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ConfigError(
+                    f"mesh {dict(zip(AXES, sizes))}: {num_devices} devices are not divisible by "
+                    f"{known}; pick axis sizes whose product divides the device count")
+            sizes[sizes.index(-1)] = num_devices // known
+        if math.prod(sizes) != num_devices:
+            raise ConfigError(
+                f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but {num_devices} "
+                f"are present; set one axis to -1 or make the product {num_devices}")
+        return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `Mesh` with axes (data, fsdp, tensor) over `devices` (default: all global devices).
+
+    All axes are `AxisType.Auto` (see the module docstring for why). Devices are ordered by
+    `jax.make_mesh`, which follows the physical topology on TPU.
+    """
+    config = config or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config.resolve(len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
+    """Number of devices along one mesh axis or a tuple of axes (1 for None or absent axes)."""
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape.get(a, 1) for a in names)

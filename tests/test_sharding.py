@@ -1,0 +1,237 @@
+"""Sharding: mesh from config, partition rules, sharded == unsharded, memory, weight sync."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import multihost_worker as w
+from rljax import sharding
+from rljax.errors import ConfigError
+from rljax.models import forward, init_cache, init_params, preset
+
+
+def _close(a_tree, b_tree, atol=1e-5):
+    for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=0)
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def test_mesh_fills_the_rest_from_the_device_count():
+    """-1 takes the devices left over; every axis is Auto; the product must match the devices."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=-1, tensor=2))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert dict(sharding.make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(sharding.make_mesh(devices=jax.devices()[:2]).shape)["fsdp"] == 2
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(data=3, fsdp=-1), "not divisible by 3"),
+    (dict(data=2, fsdp=2, tensor=1), "needs 4 devices but 8"),
+    (dict(data=-1, fsdp=-1), "at most one axis"),
+    (dict(fsdp=0), "positive or -1"),
+])
+def test_mesh_errors_are_one_line(cfg, match):
+    """A mesh that cannot cover the devices raises one ConfigError line naming the fix."""
+    with pytest.raises(ConfigError, match=match) as err:
+        sharding.make_mesh(sharding.MeshConfig(**cfg))
+    assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def test_rules_split_heads_and_mlp_and_fsdp_the_largest_free_dim():
+    """FSDP=4 x TP=2: q/k/v split on heads, o on N, gate/up/down on F, vocab on V; FSDP takes the
+    largest remaining divisible dim and never the stacked layer axis; small tensors replicate."""
+    cfg = preset("qwen2-test")  # V128 D64 F128 N4 K2 H16
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=4, tensor=2))
+    specs = sharding.tree_specs(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), mesh)
+    lay = specs["layers"]
+    assert specs["embed"] == P("tensor", "fsdp")
+    assert lay["q"] == P(None, "fsdp", "tensor", None) and lay["k"] == P(None, "fsdp", "tensor", None)
+    assert lay["o"] == P(None, "tensor", None, "fsdp")
+    assert lay["gate"] == P(None, "fsdp", "tensor") and lay["down"] == P(None, "tensor", "fsdp")
+    assert lay["q_bias"] == P(None, "tensor", None)  # 128 elements: split with its heads, no FSDP
+    assert lay["attn_norm"] == P(None, None) and specs["final_norm"] == P(None)
+    # Unstacked layers (the decode loop's layout) get the same split without the layer axis.
+    unstacked = sharding.tree_specs({"layers": ({"q": jnp.zeros((64, 4, 16))},)}, mesh)
+    assert unstacked["layers"][0]["q"] == P("fsdp", "tensor", None)
+
+
+@pytest.mark.parametrize("family", [
+    dict(model_type="llama", qkv_bias=False, tie_embeddings=False),
+    dict(model_type="qwen3", qkv_bias=False, qk_norm=True),
+    dict(model_type="gemma2", qkv_bias=False, norm_plus_one=True, scale_embeddings=True, sandwich_norm=True,
+         activation="gelu_tanh", sliding_window=4, sliding_window_pattern=2, num_kv_heads=1),
+])
+def test_every_family_gets_valid_specs(family):
+    """Every param of every family gets a spec whose sharded dims divide the mesh axes, and the
+    params of every family can be placed on DP=2 x FSDP=2 x TP=2 (K=1 falls back to replication)."""
+    cfg = preset("qwen2-test").replace(**family)
+    params = init_params(cfg, jax.random.key(0))
+    mesh = sharding.make_mesh(sharding.MeshConfig(2, 2, 2))
+    placed = sharding.shard_params(params, mesh)
+    for path, x in jax.tree_util.tree_leaves_with_path(placed):
+        spec = x.sharding.spec
+        for dim, axis in zip(x.shape, spec):
+            assert axis is None or dim % sharding.axis_size(mesh, axis) == 0, (path, spec)
+    assert placed["layers"]["up"].sharding.spec == P(None, "fsdp", "tensor")
+    _close(placed, params, atol=0)
+
+
+def test_opt_state_shardings_mirror_params():
+    """Adam's mu and nu take exactly the params' shardings; the step count is replicated."""
+    params = init_params(preset("qwen2-test"), jax.random.key(0))
+    layout = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(fsdp=4, tensor=2)))
+    tx = optax.adam(1e-3)
+    opt_sh = layout.opt_state(tx, params)
+    p_sh = layout.params(params)
+    assert opt_sh[0].mu == p_sh and opt_sh[0].nu == p_sh
+    assert opt_sh[0].count == layout.replicated
+
+
+def test_batch_and_cache_shardings():
+    """Batches shard their leading dim over data x fsdp; the KV cache over batch and kv heads."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(2, 2, 2))
+    assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"))
+    sh = sharding.batch_shardings({"tokens": jnp.zeros((8, 5)), "odd": jnp.zeros((3,)), "s": jnp.zeros(())}, mesh)
+    assert sh["tokens"].spec == P(("data", "fsdp")) and sh["odd"].spec == P(None) and sh["s"].spec == P()
+    cache_sh = sharding.cache_shardings(init_cache(preset("qwen2-test"), 4, 16), mesh)
+    assert cache_sh["layers"][0]["k"].spec == P(("data", "fsdp"), None, "tensor", None)
+    assert cache_sh["pos"].spec == P(("data", "fsdp")) and cache_sh["index"].spec == P()
+
+
+# ----------------------------------------------------------------------------- sharded == unsharded
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+    """Three steps of the stand-in train step on one device: (params, opt_state, losses)."""
+    import functools
+    step = jax.jit(functools.partial(w.train_step, w.model_config(), w.optimizer()))
+    params, opt_state = w.initial_state()
+    losses = []
+    for i in range(3):
+        params, opt_state, loss = step(params, opt_state, *w.batch(i))
+        losses.append(float(loss))
+    return params, opt_state, losses
+
+
+@pytest.mark.parametrize("layout_name", list(w.LAYOUTS))
+def test_sharded_train_step_equals_one_device(layout_name, reference_run):
+    """FSDP=8, FSDP=4 x TP=2 and DP=2 x FSDP=2 x TP=2 give the one-device params, optimiser state
+    and losses after three steps (<= 1e-5), and outputs keep the trainer layout."""
+    layout, step = w.sharded_step(layout_name)
+    params, opt_state = w.initial_state(layout)
+    losses = []
+    for i in range(3):
+        params, opt_state, loss = step(params, opt_state, *w.batch(i))
+        losses.append(float(loss))
+    ref_params, ref_opt, ref_losses = reference_run
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
+    _close(params, ref_params)
+    _close(opt_state, ref_opt)
+    assert params["layers"]["gate"].sharding == layout.params(ref_params)["layers"]["gate"]
+
+
+def test_fsdp8_memory_per_device_is_at_most_a_sixth():
+    """Under FSDP=8 each device holds <= 1/6 of the unsharded bytes of params + Adam state,
+    counted from the arrays' addressable shards (a config whose dims divide by 8)."""
+    cfg = preset("qwen2-test", num_heads=8, num_kv_heads=8, head_dim=8)
+    params = init_params(cfg, jax.random.key(0))
+    tx = optax.adamw(1e-3)
+    layout = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(fsdp=8)))
+    state = (sharding.shard_params(params, layout.mesh),
+             jax.device_put(tx.init(params), layout.opt_state(tx, params)))
+    total = sum(x.nbytes for x in jax.tree.leaves(state))
+    per_device = sharding.device_bytes(state)
+    assert len(per_device) == 8
+    assert max(per_device.values()) <= total / 6, (max(per_device.values()), total)
+
+
+# ----------------------------------------------------------------------------- sampler layout, sync
+
+
+def test_sync_weights_stays_on_device_and_matches():
+    """Trainer (FSDP=4 x TP=2) -> sampler (DP=4 x TP=2, no FSDP) resharding moves no bytes through
+    the host, lands in the sampler's shardings, keeps the values, and reports its seconds."""
+    params = init_params(preset("qwen2-test"), jax.random.key(0))
+    trainer = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(fsdp=4, tensor=2)))
+    sampler = sharding.sampler_layout(sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2)))
+    train_params = sharding.shard_params(params, trainer.mesh)
+    target = sampler.params(params)
+    with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
+        synced, seconds = sharding.sync_weights(train_params, target)
+    assert seconds > 0
+    assert synced["layers"]["q"].sharding.spec == P(None, None, "tensor", None)
+    assert jax.tree.map(lambda x: x.sharding, synced) == target
+    _close(synced, params, atol=0)
+
+
+def test_sharded_cached_decode_equals_one_device():
+    """A prefill + 3 greedy decode steps through the KV cache, compiled for the sampler layout
+    (DP=2 x TP=2 x FSDP=2 without param FSDP, cache on batch and heads), match one device."""
+    cfg = preset("qwen2-test")
+    params = init_params(cfg, jax.random.key(1))
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 6)), jnp.int32)
+
+    def decode(params, cache, tokens):
+        logits, cache = forward(cfg, params, tokens, cache=cache)
+        out = []
+        for _ in range(3):
+            nxt = jnp.argmax(logits[:, -1], axis=-1)[:, None].astype(jnp.int32)
+            out.append(nxt)
+            logits, cache = forward(cfg, params, nxt, cache=cache)
+        return jnp.concatenate(out, axis=1), logits, cache
+
+    cache = init_cache(cfg, 4, 16)
+    ref = jax.jit(decode)(params, cache, prompt)
+    layout = sharding.sampler_layout(sharding.make_mesh(sharding.MeshConfig(2, 2, 2)))
+    c_sh, p_sh = layout.cache(cache), layout.params(params)
+    fn = sharding.make_sharded(decode, layout.mesh, (p_sh, c_sh, layout.batch(prompt)),
+                               (layout.batch(prompt), layout.batch(ref[1]), c_sh))
+    got = fn(sharding.shard_params(params, layout.mesh, fsdp=False), jax.device_put(cache, c_sh), prompt)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+    _close(got[1:], ref[1:])
+    assert got[2]["layers"][0]["k"].sharding.spec == P(("data", "fsdp"), None, "tensor", None)
+
+
+# ----------------------------------------------------------------------------- multi-host config
+
+
+def test_distributed_config_from_env_and_errors():
+    """Env vars give an explicit config; partial or out-of-range settings raise one clear line;
+    with nothing set, initialize is a no-op and this process is the main one."""
+    cfg = sharding.DistributedConfig.from_env({"RLJAX_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+                                               "RLJAX_NUM_PROCESSES": "4", "RLJAX_PROCESS_ID": "3"})
+    assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.enabled) == ("10.0.0.1:1234", 4, 3, True)
+    assert sharding.DistributedConfig.from_env({"RLJAX_DISTRIBUTED": "auto"}).auto
+    with pytest.raises(ConfigError, match="together"):
+        sharding.DistributedConfig(coordinator_address="h:1")
+    with pytest.raises(ConfigError, match=r"in \[0, 2\)"):
+        sharding.DistributedConfig("h:1", 2, 2)
+    with pytest.raises(ConfigError, match="must be an integer"):
+        sharding.DistributedConfig.from_env({"RLJAX_COORDINATOR_ADDRESS": "h:1", "RLJAX_NUM_PROCESSES": "two",
+                                             "RLJAX_PROCESS_ID": "0"})
+    assert sharding.initialize(sharding.DistributedConfig()) is False
+    assert sharding.main_process_only(lambda: "wrote")() == "wrote"
+
+
+def test_global_batch_and_process_rows_single_process():
+    """With one process, this process loads every row and the global batch is the local one,
+    sharded over data x fsdp."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(2, 2, 2))
+    assert sharding.process_rows(mesh, 8) == slice(0, 8)
+    tokens = np.arange(16).reshape(8, 2)
+    g = sharding.global_batch({"tokens": tokens}, mesh)["tokens"]
+    assert g.sharding.spec == P(("data", "fsdp"))
+    np.testing.assert_array_equal(np.asarray(g), tokens)
