@@ -12,7 +12,7 @@ from rljax.data.pipeline import PromptBatch, PromptData, index_batches, prompt_b
 from rljax.data.sources import (SOURCES, FieldMap, TaskSource, from_jsonl, from_parquet, from_reasoning_gym,
                                 from_tfds, load_task)
 from rljax.data.splits import drop_overlap, heldout_split
-from rljax.data.templates import PromptFormat, bucket_length, left_pad, render_prompt
+from rljax.data.templates import PromptFormat, pick_bucket, render_prompt
 
 __all__ = [
     "Example", "normalize_question", "question_key",
@@ -20,5 +20,5 @@ __all__ = [
     "PromptBatch", "PromptData", "index_batches", "prompt_batches", "shard_rows",
     "SOURCES", "FieldMap", "TaskSource", "from_jsonl", "from_parquet", "from_reasoning_gym", "from_tfds",
     "load_task", "drop_overlap", "heldout_split",
-    "PromptFormat", "bucket_length", "left_pad", "render_prompt",
+    "PromptFormat", "pick_bucket", "render_prompt",
 ]

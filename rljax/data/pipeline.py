@@ -1,11 +1,13 @@
 """The grain pipeline: seeded shuffling, process sharding, fixed-size batches, exact resume.
 
-    range(N) -> shuffle(seed) -> repeat(epochs) -> batch(global B) -> this process's rows -> PromptBatch
+    step k -> (epoch e, batch j) -> rows j*B..(j+1)*B of grain's shuffle of epoch e
+           -> this process's slice -> PromptBatch
 
-Every process builds the same global batches of example indices and keeps its own contiguous
-slice of each, so the processes partition every batch disjointly and their union is exactly the
-single-process batch. `repeat` reshuffles each epoch (grain seeds epoch e with seed + e) and
-batches run across epoch boundaries, so no example is dropped. The iterator's
+An epoch is a permutation of the N examples (grain's `shuffle` seeds epoch e with seed + e)
+cut into floor(N / B) global batches; the N mod B leftovers differ from epoch to epoch, and no
+batch holds an example twice. Every process builds the same global batches of example indices
+and keeps its own contiguous slice of each, so the processes partition every batch disjointly
+and their union is exactly the single-process batch. The iterator's
 ``get_state()``/``set_state()`` (a small JSON dict) is what goes into the checkpoint; setting
 it on a fresh iterator continues with exactly the next batch.
 """
@@ -19,8 +21,9 @@ import grain
 import numpy as np
 
 from rljax.data.example import Example
-from rljax.data.templates import PromptFormat, PromptTokenizer, left_pad, render_prompt
+from rljax.data.templates import PromptFormat, PromptTokenizer, pick_bucket, render_prompt
 from rljax.errors import ConfigError, DataError
+from rljax.tokenizers import pad_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +76,8 @@ def index_batches(num_examples: int, global_batch_size: int, *, seed: int, shuff
                   process_count: int | None = None) -> grain.MapDataset:
     """A grain dataset of this process's example indices, int64 ``[global_batch_size // P]``.
 
-    `num_epochs=None` repeats forever; otherwise the trailing partial batch is dropped so every
-    batch has the same static shape. Process defaults: `jax.process_index()/process_count()`.
+    `num_epochs=None` repeats forever. Each epoch drops its N mod B leftovers so every batch has
+    the same static shape. Process defaults: `jax.process_index()/process_count()`.
     """
     if num_examples < 1:
         raise DataError("the training set is empty; check the data source and its filters")
@@ -83,11 +86,20 @@ def index_batches(num_examples: int, global_batch_size: int, *, seed: int, shuff
     if not 0 <= seed < 2**32:
         raise ConfigError(f"data seed {seed} must be in [0, 2**32)")
     rows = shard_rows(global_batch_size, *_process(process_index, process_count))
-    ds = grain.MapDataset.range(num_examples)
+    per_epoch = num_examples // global_batch_size
+    if per_epoch == 0:
+        raise DataError(f"{num_examples} examples cannot fill one batch of {global_batch_size}; "
+                        "add data or lower the batch size")
+    order = grain.MapDataset.range(num_examples)
     if shuffle:
-        ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(num_epochs).batch(global_batch_size, drop_remainder=True)
-    return ds.map(lambda idx_b: np.asarray(idx_b, np.int64)[rows])
+        order = order.shuffle(seed=seed)  # order[e * N + i] is item i of epoch e's permutation
+
+    def batch_indices(step: int, _) -> np.ndarray:
+        epoch, j = divmod(step, per_epoch)
+        start = epoch * num_examples + j * global_batch_size
+        return np.asarray([order[start + i] for i in range(rows.start, rows.stop)], np.int64)
+
+    return grain.MapDataset.range(per_epoch).repeat(num_epochs).map_with_index(batch_indices)
 
 
 def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, batch_size: int, seed: int,
@@ -116,7 +128,9 @@ def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, b
     pad_id = tokenizer.pad_id
 
     def to_batch(idx_b: np.ndarray) -> PromptBatch:
-        tokens_bt, mask_bt = left_pad([kept_ids[i] for i in idx_b], pad_id, buckets)
+        rows = [kept_ids[i] for i in idx_b]
+        width = pick_bucket(max(len(r) for r in rows), buckets)
+        tokens_bt, mask_bt = pad_batch(rows, pad_id, side="left", length=width)
         return PromptBatch(tokens_bt, mask_bt, idx_b, tuple(kept_examples[i] for i in idx_b))
 
     local = batch_size // _process(process_index, process_count)[1]

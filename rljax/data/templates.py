@@ -1,8 +1,9 @@
-"""Prompt text from examples, and prompt tokens as left-padded, bucketed arrays.
+"""Prompt text from examples, and the bucket each batch of prompt tokens is padded to.
 
 A `PromptFormat` is a format string over ``{question}`` and the example's metadata keys,
-optionally wrapped in the tokenizer's chat template. Prompts are left-padded so every row's
-last prompt token sits in the same column, which is where the sampler starts generating.
+optionally wrapped in the tokenizer's chat template. Prompts are left-padded (by
+`rljax.tokenizers.pad_batch`) so every row's last prompt token sits in the same column, where
+the sampler starts generating.
 The reference answer is deliberately not a template field: it must never reach the prompt.
 """
 
@@ -12,8 +13,6 @@ import dataclasses
 import string
 from collections.abc import Sequence
 from typing import Any, Protocol
-
-import numpy as np
 
 from rljax.data.example import Example
 from rljax.errors import ConfigError, DataError
@@ -80,28 +79,14 @@ def render_prompt(example: Example, fmt: PromptFormat, tokenizer: PromptTokenize
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def bucket_length(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket that holds `length` tokens (buckets sorted ascending)."""
-    for b in buckets:
+def pick_bucket(length: int, buckets: Sequence[int]) -> int:
+    """The smallest of `buckets` that holds `length` tokens.
+
+    A jitted consumer compiles once per bucket, not once per batch; a single bucket (the max
+    prompt length) means one compilation.
+    """
+    for b in sorted(buckets):
         if length <= b:
             return b
-    raise DataError(f"a prompt of {length} tokens is longer than the largest bucket {buckets[-1]}; "
+    raise DataError(f"a prompt of {length} tokens is longer than the largest bucket {max(buckets)}; "
                     "raise the max prompt length")
-
-
-def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int, buckets: Sequence[int]
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad token lists to the smallest bucket that fits the longest one.
-
-    Returns ``tokens_bt`` int32 and ``mask_bt`` bool (True on real tokens), both ``[B, T]`` with
-    ``T`` one of `buckets`, so a jitted consumer compiles once per bucket, not once per batch.
-    """
-    longest = max((len(t) for t in token_lists), default=0)
-    width = bucket_length(longest, sorted(buckets))
-    tokens_bt = np.full((len(token_lists), width), pad_id, np.int32)
-    mask_bt = np.zeros((len(token_lists), width), bool)
-    for row, ids in enumerate(token_lists):
-        if ids:
-            tokens_bt[row, width - len(ids):] = ids
-            mask_bt[row, width - len(ids):] = True
-    return tokens_bt, mask_bt
