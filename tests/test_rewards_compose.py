@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rljax import rewards
-from rljax.errors import ConfigError
+from rljax.errors import ConfigError, DataError
 from rljax.rewards.pool import VerifierPool
 
 INLINE = VerifierPool(0)
@@ -70,5 +70,5 @@ def test_reasoning_gym_task_source_and_verifier():
         assert v(row, f"<think>…</think><answer>{row['answer']}</answer>")[0] == 1.0
         assert v(row, "<answer>not a number</answer>")[0] == 0.0
         assert v(row, "")[0] == 0.0
-    with pytest.raises(ConfigError.__mro__[1]):
+    with pytest.raises(DataError, match="no_such_task"):
         rewards.reasoning_gym_examples("no_such_task", size=1)
