@@ -1,0 +1,183 @@
+"""Advantage estimators and reward transforms against plain-NumPy references written from the papers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import objectives as obj
+
+B, T, N = 12, 9, 4  # rows, time, group size
+
+
+def _ragged_mask(rng, b=B, t=T):
+    """Right-aligned completions of random lengths 0..t-2 after a random prompt length."""
+    m = np.zeros((b, t), np.float32)
+    for i in range(b):
+        start = rng.integers(1, 4)
+        length = rng.integers(0, t - start + 1)
+        m[i, start:start + length] = 1
+    m[0, :] = 0  # one empty completion
+    m[1, 2:] = 1
+    return m
+
+
+def _shuffled_groups(rng):
+    ids = np.repeat(np.arange(B // N), N)
+    return rng.permutation(ids).astype(np.int32) + 1  # ids need not start at 0 or be contiguous rows
+
+
+def np_grpo(r, g, std=True, eps=1e-6):
+    out = np.zeros_like(r)
+    for gid in np.unique(g):
+        idx = g == gid
+        x = r[idx]
+        if np.all(x == x[0]):
+            continue
+        a = x - x.mean()
+        if std:
+            a = a / (x.std(ddof=1) + eps)
+        out[idx] = a
+    return out
+
+
+def np_rloo(r, g):
+    out = np.zeros_like(r)
+    for i in range(len(r)):
+        others = r[(g == g[i]) & (np.arange(len(r)) != i)]
+        if len(others) and not np.all(r[g == g[i]] == r[i]):
+            out[i] = r[i] - others.mean()
+    return out
+
+
+def np_returns_and_gae(r_seq, mask, values=None, dense=None, gamma=1.0, lam=1.0):
+    """Per row: dense rewards on masked steps (sequence reward on the last), then reverse recursions."""
+    ret = np.zeros_like(mask)
+    adv = np.zeros_like(mask)
+    for i in range(mask.shape[0]):
+        idx = np.nonzero(mask[i])[0]
+        if len(idx) == 0:
+            continue
+        rew = np.zeros(len(idx))
+        rew[-1] = r_seq[i]
+        if dense is not None:
+            rew += dense[i, idx]
+        v = values[i, idx] if values is not None else np.zeros(len(idx))
+        g, a = 0.0, 0.0
+        for k in reversed(range(len(idx))):
+            g = rew[k] + gamma * g
+            v_next = v[k + 1] if k + 1 < len(idx) else 0.0
+            a = rew[k] + gamma * v_next - v[k] + gamma * lam * a
+            ret[i, idx[k]], adv[i, idx[k]] = g, a
+    return ret, adv
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    mask = _ragged_mask(rng)
+    rewards = rng.normal(size=B).astype(np.float32)
+    groups = _shuffled_groups(rng)
+    return rng, mask, rewards, groups
+
+
+@pytest.mark.parametrize("name,std", [("grpo", True), ("dr_grpo", False)])
+def test_grpo_family_matches_numpy(data, name, std):
+    """GRPO (std-normalised) and Dr. GRPO (mean-centred) match the NumPy group formula on shuffled groups."""
+    _, mask, r, g = data
+    got = obj.ADVANTAGES.get(name)(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask))
+    want = np_grpo(r, g, std=std)[:, None] * mask
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_without_std_option_equals_dr_grpo(data):
+    """grpo(std_normalize=False) is exactly the Dr. GRPO advantage."""
+    _, mask, r, g = data
+    a = obj.grpo(r, jnp.asarray(g), mask, std_normalize=False)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(obj.dr_grpo(r, jnp.asarray(g), mask)), atol=0)
+
+
+def test_rloo_matches_numpy(data):
+    """RLOO is r_i minus the mean of the other rewards in its group."""
+    _, mask, r, g = data
+    got = obj.rloo(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got), np_rloo(r, g)[:, None] * mask, rtol=1e-5, atol=1e-6)
+
+
+def test_remax_and_reinforce_match_numpy(data):
+    """ReMax subtracts the greedy baseline; REINFORCE subtracts the batch mean."""
+    rng, mask, r, g = data
+    base = rng.normal(size=B).astype(np.float32)
+    got = obj.remax(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask), baseline_b=jnp.asarray(base))
+    np.testing.assert_allclose(np.asarray(got), (r - base)[:, None] * mask, rtol=1e-6)
+    got = obj.reinforce(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got), (r - r.mean())[:, None] * mask, rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_pp_matches_numpy_with_kl_in_reward(data):
+    """REINFORCE++: return-to-go of (last-token reward + dense -beta*KL), normalised over valid tokens."""
+    rng, mask, r, g = data
+    dense = (-0.1 * rng.random((B, T))).astype(np.float32) * mask
+    ret, _ = np_returns_and_gae(r, mask, dense=dense)
+    valid = mask > 0
+    want = (ret - ret[valid].mean()) / (ret[valid].std(ddof=1) + 1e-6) * mask
+    got = obj.reinforce_pp(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask), token_rewards_bt=jnp.asarray(dense))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (0.99, 0.0)])
+def test_gae_matches_numpy(data, gamma, lam):
+    """GAE by reverse scan equals the textbook recursion run on each row's masked steps."""
+    rng, mask, r, g = data
+    v = rng.normal(size=(B, T)).astype(np.float32)
+    _, want = np_returns_and_gae(r, mask, values=v, gamma=gamma, lam=lam)
+    got = obj.gae(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask), values_bt=jnp.asarray(v), gamma=gamma, lam=lam)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_lambda1_gamma1_is_return_minus_value(data):
+    """With lambda = gamma = 1, A_t = (sum of rewards from t on) - V_t on every completion token."""
+    rng, mask, r, g = data
+    v = rng.normal(size=(B, T)).astype(np.float32)
+    dense = rng.normal(size=(B, T)).astype(np.float32) * mask
+    rew_bt = obj.dense_rewards(jnp.asarray(r), jnp.asarray(mask), jnp.asarray(dense))
+    adv = obj.gae_from_rewards(rew_bt, jnp.asarray(v), jnp.asarray(mask), 1.0, 1.0)
+    rtg = np.flip(np.cumsum(np.flip(np.asarray(rew_bt), 1), 1), 1)
+    np.testing.assert_allclose(np.asarray(adv), (rtg - v) * mask, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_zero_variance_groups_give_zero_advantage_no_nan(name):
+    """Groups with equal rewards (including rewards like 0.1 whose mean is inexact) give A = 0, no NaN."""
+    r = jnp.asarray([0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 3.0], jnp.float32)
+    g = jnp.asarray([0, 0, 0, 1, 1, 1, 2], jnp.int32)  # group 2 has a single sample
+    m = jnp.ones((7, 3))
+    a = np.asarray(obj.ADVANTAGES.get(name)(r, g, m))
+    assert np.all(np.isfinite(a))
+    np.testing.assert_array_equal(a[[0, 1, 2, 6]], 0.0)
+    assert np.abs(a[3:6]).sum() > 0
+    assert int(obj.zero_variance_groups(r, g)) == 2
+
+
+def test_prompt_major_group_ids():
+    """Row i*n + j belongs to prompt i."""
+    np.testing.assert_array_equal(np.asarray(obj.prompt_major_group_ids(6, 3)), [0, 0, 0, 1, 1, 1])
+
+
+def test_every_registered_estimator_jits_and_is_zero_off_mask(data):
+    """Every registered estimator runs under jit with the shared signature and is zero off the mask."""
+    rng, mask, r, g = data
+    kw = dict(baseline_b=jnp.zeros(B), values_bt=jnp.asarray(rng.normal(size=(B, T)), jnp.float32))
+    for name in obj.ADVANTAGES.names():
+        fn = jax.jit(lambda r, g, m, fn=obj.ADVANTAGES.get(name): fn(r, g, m, **kw))
+        a = np.asarray(fn(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask)))
+        assert np.all(np.isfinite(a)) and np.all(a[mask == 0] == 0), name
+
+
+def test_overlong_penalty_matches_dapo_formula():
+    """DAPO soft overlong punishment: 0, then a linear ramp to -1 over the buffer, then -1."""
+    lengths = np.array([0, 10, 12, 14, 16, 17, 30])
+    got = np.asarray(obj.overlong_penalty(jnp.asarray(lengths), max_length=16, buffer=4))
+    want = [0.0 if n <= 12 else ((12 - n) / 4 if n <= 16 else -1.0) for n in lengths]
+    np.testing.assert_allclose(got, want, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(obj.length_penalty(jnp.asarray(lengths), 0.5, 16)), -0.5 * lengths / 16)
