@@ -1,0 +1,93 @@
+"""`rljax train`, `rljax eval` and `rljax export`: thin CLI layers over the functional API."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="run RL training (no arguments: the tiny default job, CPU, ~10 min)",
+                       description="Train with a recipe. Override any setting as key=value, "
+                                   "e.g. rl.iterations=20 algorithm.algorithm=dapo.")
+    p.add_argument("--config", help="a TOML recipe (default: configs/default.toml)")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("eval", help="greedy accuracy, pass@k and mean@k of a run's checkpoint on held-out data")
+    p.add_argument("run_dir", help="the run's output directory (holds checkpoints/ and its config)")
+    p.add_argument("--step", default="best", help="checkpoint step, 'best' or 'latest' (default: best)")
+    p.add_argument("--samples", type=int, default=None, help="samples per problem for pass@k (default: config)")
+    p.add_argument("--seeds", type=int, default=None, help="sampling seeds for mean@k (default: config)")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face safetensors directory")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--step", default="best")
+    p.set_defaults(func=_export)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rljax.train.config import load_config
+    from rljax.train.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, resume=args.resume)
+    print(f"held-out greedy accuracy: {result.start_accuracy:.3f} -> {result.final_accuracy:.3f}")
+    print(f"checkpoints: {result.output_dir / 'checkpoints'}")
+    print(f"metrics:     {result.output_dir / 'metrics.jsonl'} (TensorBoard: {result.output_dir / 'tensorboard'})")
+    if result.plot:
+        print(f"plot:        {result.plot}")
+    return 0
+
+
+def _run_config(run_dir: str, step: str):
+    from pathlib import Path
+
+    from rljax.checkpoint import Checkpointer
+    from rljax.config_io import build
+    from rljax.errors import CheckpointError
+    from rljax.train.config import TrainConfig
+
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{run_dir} has no checkpoints/ directory; pass a run directory made by rljax train")
+    ckpt = Checkpointer(ckpt_dir, read_only=True)
+    step_value = step if step in ("best", "latest") else int(step)
+    restored = ckpt.restore(step_value, params=None)
+    return build(TrainConfig, restored.config), ckpt, step_value
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from rljax.checkpoint import load_params
+    from rljax.evaluation.runner import EvalSetup, greedy_accuracy, sampled_eval
+    from rljax.train import setup
+    from rljax.train.loop import sample_controls
+
+    cfg, _, step = _run_config(args.run_dir, args.step)
+    model_cfg, params = load_params(f"{args.run_dir}/checkpoints", step)
+    tokenizer = setup.build_tokenizer(cfg.model)
+    _, held_out, _ = setup.build_splits(cfg.data)
+    evaluator = EvalSetup.build(model_cfg, held_out[:cfg.eval.size], tokenizer, setup.prompt_format(cfg.data),
+                                setup.build_reward(cfg.reward), sample_controls(cfg, tokenizer),
+                                max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
+    result = {"step": step, "problems": len(evaluator.examples),
+              "greedy_accuracy": greedy_accuracy(evaluator, params)}
+    samples = args.samples or cfg.eval.num_samples
+    result.update(sampled_eval(evaluator, params, num_samples=samples,
+                               ks=tuple(k for k in cfg.eval.pass_k if k <= samples),
+                               seeds=args.seeds or cfg.eval.seeds, temperature=cfg.eval.temperature))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rljax.checkpoint import export_hf
+
+    _, _, step = _run_config(args.run_dir, args.step)
+    export_hf(f"{args.run_dir}/checkpoints", args.out_dir, step)
+    print(f"exported step {step} of {args.run_dir} to {args.out_dir}")
+    return 0

@@ -1,0 +1,189 @@
+"""The training recipe: one frozen, typed, validated config for `rljax train`.
+
+Recipes live in `configs/*.toml`; `rljax train --config FILE key=value ...` overrides any field
+by its dotted path (`rl.iterations=20`, `algorithm.algorithm=dapo`). An unknown key or a bad value
+is one error line that lists the valid choices (see `rljax.config_io`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from rljax.config_io import apply_overrides, build, load_toml, to_dict
+from rljax.errors import ConfigError
+from rljax.objectives.config import AlgorithmConfig
+from rljax.optim import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Where the policy comes from: a HF checkpoint directory, or a from-scratch architecture.
+
+    `tokenizer`: a path/name for `rljax.tokenizers.load` (default: the checkpoint directory), or
+    `chars:<alphabet>` for a character tokenizer (tiny from-scratch jobs).
+    """
+
+    checkpoint: str | None = None
+    tokenizer: str | None = None
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    max_positions: int = 256
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        if self.checkpoint is None and self.tokenizer is None:
+            raise ConfigError("model: set model.checkpoint (a HF directory) or model.tokenizer "
+                              "(e.g. 'chars:0123456789+-= ') for a from-scratch model")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """The task: a source, its held-out split and how an example becomes a prompt.
+
+    source: `reasoning_gym` (task + task_kwargs), `jsonl` / `parquet` (path + fields), or `tfds`
+    (tfds_name + tfds_data_dir). `eval_size` problems are held out by question text; training never
+    sees them. `prompt_template` is a format string over {question} and metadata keys.
+    """
+
+    source: Literal["reasoning_gym", "jsonl", "parquet", "tfds"] = "reasoning_gym"
+    task: str = "chain_sum"
+    task_kwargs: dict = dataclasses.field(default_factory=dict)
+    path: str | None = None
+    fields: dict = dataclasses.field(default_factory=dict)
+    tfds_name: str | None = None
+    tfds_data_dir: str | None = None
+    tfds_split: str = "train"
+    size: int = 20000
+    eval_size: int = 400
+    eval_path: str | None = None
+    seed: int = 1
+    prompt_template: str = "{question}"
+    chat: bool = False
+    system_prompt: str | None = None
+    add_bos: bool = True
+    max_prompt_tokens: int = 64
+    prompt_buckets: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+    """The reward: a correctness verifier plus optional format and length terms.
+
+    kind: `reasoning_gym` (the task's own scorer), `math` (math-verify on the extracted answer),
+    or `code` (sandboxed unit tests). `answer_methods` orders the extractors tried.
+    """
+
+    kind: Literal["reasoning_gym", "math", "code"] = "reasoning_gym"
+    answer_methods: tuple[str, ...] = ("answer_tag", "final_line")
+    format_weight: float = 0.0
+    format_pattern: str = r"(?s)^<think>.*</think>\s*<answer>.*</answer>\s*$"
+    time_limit_s: float = 5.0
+    inline: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    num_samples: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSection:
+    """Optional supervised warm start on reference answers before RL (steps=0: none)."""
+
+    steps: int = 0
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSection:
+    """The RL schedule. `dynamic_sampling` over-samples `oversample` x prompts and keeps groups
+    whose rewards differ (DAPO, 2025)."""
+
+    iterations: int = 60
+    prompts_per_iteration: int = 64
+    dynamic_sampling: bool = False
+    oversample: float = 2.0
+    reference_reset_every: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    every: int = 10
+    size: int = 400
+    pass_k: tuple[int, ...] = (1, 4)
+    num_samples: int = 4
+    seeds: int = 3
+    temperature: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 20
+    keep_last: int = 2
+    best_metric: str | None = "eval/accuracy"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSection:
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A whole run. `seed` drives init, sampling and shuffling; the same seed and config on the
+    same hardware give the same result."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    model: ModelSection = ModelSection(tokenizer="chars:0123456789+-= ")
+    data: DataSection = DataSection()
+    reward: RewardSection = RewardSection()
+    sampling: SamplingSection = SamplingSection()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    warm_start: WarmStartSection = WarmStartSection()
+    rl: RLSection = RLSection()
+    eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    metrics: MetricsSection = MetricsSection()
+
+    def __post_init__(self):
+        n = self.rl.prompts_per_iteration * self.sampling.num_samples
+        micro = self.algorithm.num_minibatches * self.algorithm.num_microbatches
+        if n % micro:
+            raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
+                              f"algorithm.num_minibatches * num_microbatches = {micro}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Loads a recipe (default: the packaged tiny CPU job) and applies `key=value` overrides."""
+    mapping = apply_overrides(load_toml(path or CONFIG_DIR / "default.toml"), list(overrides))
+    cfg = build(TrainConfig, mapping)
+    if "total_steps" not in mapping.get("optim", {}):
+        # The schedule spans the run unless the recipe says otherwise: one optimiser step per
+        # mini-batch per epoch per iteration.
+        total = cfg.rl.iterations * cfg.algorithm.num_epochs * cfg.algorithm.num_minibatches
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, total_steps=max(total, 1)))
+    return cfg

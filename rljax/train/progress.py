@@ -1,0 +1,28 @@
+"""A one-line progress bar for the RL loop: reward, held-out accuracy and tokens/s."""
+
+from __future__ import annotations
+
+
+class Progress:
+    def __init__(self, total: int, start: int = 0, enabled: bool = True):
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, desc="rl", unit="it", dynamic_ncols=True)
+        self._acc = None
+
+    def update(self, metrics: dict) -> None:
+        if self._bar is None:
+            return
+        if metrics.get("eval/accuracy") is not None:
+            self._acc = metrics["eval/accuracy"]
+        post = {"reward": f"{metrics['reward/mean']:.3f}", "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+        if self._acc is not None:
+            post["acc"] = f"{self._acc:.3f}"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

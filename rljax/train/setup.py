@@ -1,0 +1,98 @@
+"""Builds the pieces of a run from its config: tokenizer, policy, task splits and reward.
+
+Each builder is a plain function of the config so notebooks can call them one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from rljax import rewards
+from rljax.data.example import Example
+from rljax.data.sources import load_task
+from rljax.data.splits import drop_overlap, heldout_split
+from rljax.data.templates import PromptFormat
+from rljax.models import ModelConfig, init_params, load_hf
+from rljax.rewards.reasoning import ENTRY_KEY
+from rljax.tokenizers import CharTokenizer, Tokenizer
+from rljax.tokenizers import load as load_tokenizer
+from rljax.train.config import DataSection, ModelSection, RewardSection, TrainConfig
+
+CHARS_PREFIX = "chars:"
+
+
+def build_tokenizer(section: ModelSection) -> Tokenizer:
+    name = section.tokenizer or section.checkpoint
+    if name.startswith(CHARS_PREFIX):
+        return CharTokenizer(name[len(CHARS_PREFIX):])
+    return load_tokenizer(name)
+
+
+def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array) -> tuple[ModelConfig, Any]:
+    """Loads the HF checkpoint, or random-inits a Qwen2-style model sized by the section."""
+    if section.checkpoint:
+        return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+    cfg = ModelConfig(
+        model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=section.hidden_size,
+        intermediate_size=section.intermediate_size, num_layers=section.num_layers,
+        num_heads=section.num_heads, num_kv_heads=section.num_kv_heads, head_dim=section.head_dim,
+        qkv_bias=True, tie_embeddings=True, max_positions=section.max_positions,
+        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_ids[0] if tokenizer.eos_ids else None,
+        pad_token_id=tokenizer.pad_id, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+    return cfg, init_params(cfg, key)
+
+
+def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Example, ...], int]:
+    """(train, held-out eval, skipped rows). Eval questions never appear in train."""
+    if section.source == "reasoning_gym":
+        src = load_task("reasoning_gym", name=section.task, size=section.size + section.eval_size,
+                        seed=section.seed, **section.task_kwargs)
+    elif section.source in ("jsonl", "parquet"):
+        src = load_task(section.source, path=section.path, fields=section.fields)
+    else:
+        src = load_task("tfds", name=section.tfds_name, data_dir=section.tfds_data_dir,
+                        split=section.tfds_split, fields=section.fields)
+    if section.eval_path:
+        held = load_task("jsonl", path=section.eval_path, fields=section.fields).examples[:section.eval_size]
+        train, _ = drop_overlap(src.examples, held)
+    else:
+        train, held = heldout_split(src.examples, section.eval_size, seed=section.seed)
+    return train, held, src.num_skipped
+
+
+def prompt_format(section: DataSection) -> PromptFormat:
+    return PromptFormat(template=section.prompt_template, chat=section.chat, system=section.system_prompt)
+
+
+def build_reward(section: RewardSection) -> rewards.RewardFn:
+    """`correct` (by kind) plus an optional weighted format term; parts are reported by name."""
+    limit = None if section.inline else section.time_limit_s
+    correct = {
+        "reasoning_gym": lambda: rewards.ReasoningGymAnswer(methods=section.answer_methods, time_limit_s=limit),
+        "math": lambda: rewards.MathAnswer(methods=section.answer_methods, time_limit_s=limit),
+        "code": lambda: rewards.CodeTests(),
+    }[section.kind]()
+    terms: dict[str, Any] = {"correct": (1.0, correct)}
+    if section.format_weight:
+        terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
+    return rewards.compose(**terms)
+
+
+def verifier_metadata(example: Example) -> dict[str, Any]:
+    """What verifiers read: the answer, tests, the raw task entry and the example's metadata."""
+    return {**example.metadata, "answer": example.answer, "tests": example.tests, ENTRY_KEY: example.entry,
+            "id": example.id}
+
+
+def run_summary(cfg: TrainConfig, model_cfg: ModelConfig, params: Any, train: tuple, held: tuple) -> str:
+    n = sum(x.size for x in jax.tree.leaves(params))
+    return (f"model {model_cfg.model_type} {n / 1e6:.2f}M params | train {len(train)} / held-out {len(held)} "
+            f"problems | {cfg.algorithm.algorithm}: {cfg.rl.iterations} iterations x "
+            f"{cfg.rl.prompts_per_iteration} prompts x {cfg.sampling.num_samples} samples")
+
+
+def replace(cfg, **changes):
+    return dataclasses.replace(cfg, **changes)

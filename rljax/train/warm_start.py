@@ -1,0 +1,77 @@
+"""Supervised warm start: a short SFT phase on worked solutions before RL.
+
+The loss is the mean negative log-likelihood of the completion tokens (answer + EOS) given the
+prompt, computed with the same scoring function the RL update uses. Batches use the RL layout:
+the prompt left-padded to P columns, the completion right-padded to C columns after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rljax.models import ModelConfig, token_logprobs
+from rljax.tokenizers import pad_batch
+
+
+def pack_prompt_completion(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                           pad_id: int, prompt_len: int, completion_len: int):
+    """[prompt left-padded to P | completion right-padded to C] -> tokens, attn mask, loss mask."""
+    p_tok, p_mask = pad_batch(prompt_ids, pad_id, side="left", length=prompt_len)
+    c_tok, c_mask = pad_batch([c[:completion_len] for c in completion_ids], pad_id, side="right",
+                              length=completion_len)
+    tokens = np.concatenate([p_tok, c_tok], axis=1)
+    attn = np.concatenate([p_mask, c_mask], axis=1)
+    loss = np.concatenate([np.zeros_like(p_mask), c_mask], axis=1)
+    return tokens, attn, loss
+
+
+def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
+    """A jitted SFT step: (params, opt_state, tokens, attn_mask, loss_mask) -> (params, opt_state, nll)."""
+
+    def loss_fn(params, tokens_bt, attn_bt, loss_bt):
+        logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt)
+        w = loss_bt.astype(jnp.float32)
+        return -jnp.sum(logp_bt * w) / jnp.maximum(w.sum(), 1.0)
+
+    def step(params, opt_state, tokens_bt, attn_bt, loss_bt):
+        nll, grads = jax.value_and_grad(loss_fn)(params, tokens_bt, attn_bt, loss_bt)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, nll
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt, key: jax.Array, *, log=print):
+    """`cfg.warm_start.steps` SFT steps on (prompt, reference answer + EOS) pairs; returns params.
+
+    Batches are drawn with a seed derived from `key`, so the warm start is deterministic.
+    """
+    from rljax.data.templates import render_prompt
+    from rljax.optim import OptimConfig, make_optimizer
+
+    ws = cfg.warm_start
+    optimizer = make_optimizer(OptimConfig(learning_rate=ws.learning_rate, warmup_steps=ws.warmup_steps,
+                                           schedule="constant", max_grad_norm=1.0))
+    prompts = tokenizer.encode_batch([render_prompt(e, fmt, tokenizer) for e in examples], add_bos=cfg.data.add_bos)
+    eos = list(tokenizer.eos_ids[:1])
+    answers = tokenizer.encode_batch([e.answer for e in examples])
+    completions = [a + eos for a in answers]
+    prompt_len = max(len(p) for p in prompts)
+    completion_len = min(max(len(c) for c in completions), cfg.sampling.max_new_tokens)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+    step = make_sft_step(model_cfg, optimizer)
+    opt_state = optimizer.init(params)
+    nll = float("nan")
+    for i in range(ws.steps):
+        idx = rng.integers(0, len(examples), ws.batch_size)
+        tokens, attn, loss = pack_prompt_completion([prompts[j] for j in idx], [completions[j] for j in idx],
+                                                    tokenizer.pad_id, prompt_len, completion_len)
+        params, opt_state, nll = step(params, opt_state, tokens, attn, loss)
+        if (i + 1) % max(ws.steps // 5, 1) == 0:
+            log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}")
+    return params
