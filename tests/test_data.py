@@ -39,6 +39,8 @@ def test_order_is_deterministic_per_seed():
     epoch0, epoch1 = a[:4].ravel(), a[4:].ravel()  # 22 // 5 = 4 batches per epoch
     assert len(set(epoch0.tolist())) == 20 and len(set(epoch1.tolist())) == 20
     assert not np.array_equal(epoch0, epoch1)
+    unshuffled = index_batches(7, 3, seed=0, shuffle=False, num_epochs=2, process_index=0, process_count=1)
+    assert [b.tolist() for b in unshuffled] == [[0, 1, 2], [3, 4, 5]] * 2  # finite epochs end
 
 
 def test_process_shards_partition_each_batch():
