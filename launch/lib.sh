@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Shared helpers for the launch scripts (sourced, not run). Callers set `dry_run` (0 or 1).
+
+# Single-quotes an argument unless it is made of safe characters only.
+quote() {
+  if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then printf '%s' "$1"
+  else printf "'%s'" "${1//\'/\'\\\'\'}"; fi
+}
+
+# Prints the command (one line, shell-quoted, pastable) in dry-run mode; runs it otherwise.
+run() {
+  if [[ "${dry_run:-0}" == 1 ]]; then
+    local out="" arg
+    for arg in "$@"; do out+="${out:+ }$(quote "$arg")"; done
+    echo "$out"
+  else
+    "$@"
+  fi
+}
+
+# Prints one line per worker: "rljax-versions python=... jax=... jaxlib=... libtpu=... rljax=...".
+# shellcheck disable=SC2034  # used by the scripts that source this file
+versions_py='import sys, importlib.metadata as m; have = {d.metadata["Name"].lower().replace("_", "-") for d in m.distributions()}; print("rljax-versions", "python=" + sys.version.split()[0], *[p + "=" + (m.version(p) if p in have else "none") for p in ("jax", "jaxlib", "libtpu", "rljax")])'
+
+# Reads the workers' output on stdin; fails unless every "rljax-versions" line is identical.
+same_versions() {
+  local distinct
+  distinct="$(grep '^rljax-versions' | sort -u || true)"
+  if [[ -z "$distinct" ]]; then
+    echo "launch: no worker reported its versions; install jax and rljax on every worker first" >&2
+    return 1
+  fi
+  if [[ "$(wc -l <<<"$distinct")" -ne 1 ]]; then
+    echo "launch: workers disagree on versions; install the same jax/jaxlib/libtpu everywhere:" >&2
+    echo "$distinct" >&2
+    return 1
+  fi
+  echo "launch: all workers match: ${distinct#rljax-versions }"
+}
