@@ -265,7 +265,7 @@ def _update_step(state: TrainState, batch: Batch, rng: jax.Array):
         grads, (pairs, ext) = jax.lax.scan(micro, zeros_g, _split(mb_rows, n_micro))
         pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), pairs)
         ext = {"ratio/max": jnp.max(ext["ratio/max"]), "ratio/min": jnp.min(ext["ratio/min"])}
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         pairs["grad_norm"] = (gnorm, jnp.ones(()))
