@@ -25,6 +25,7 @@ from rljax.sharding.rules import (
     named,
     opt_state_shardings,
     param_shardings,
+    tree_specs,
 )
 
 
@@ -41,6 +42,11 @@ class Layout:
 
     def opt_state(self, tx, params):
         return opt_state_shardings(tx, params, self.params(params), self.mesh)
+
+    def tree(self, tree):
+        """Shardings for any pytree by path rules, e.g. a whole train state (params, optimiser
+        moments, reference and value params all take their param's layout; counters replicate)."""
+        return named(self.mesh, tree_specs(tree, self.mesh, self.rules, fsdp=self.fsdp))
 
     def batch(self, batch):
         return batch_shardings(batch, self.mesh)
