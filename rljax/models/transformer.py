@@ -130,6 +130,24 @@ def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConf
     return out.reshape(b, t, n, h)
 
 
+def cached_attention(q_btnh, k_bksh, v_bksh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+    """`attention` over a KV cache stored [B, K, S, H]: batch and kv-head axes lead in both
+    operands, so neither einsum transposes the cache (the big operand) on every decode step."""
+    b, t, n, h = q_btnh.shape
+    kh = k_bksh.shape[1]
+    q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
+    logits = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh,
+                        preferred_element_type=jnp.float32) * cfg.query_scale
+    logits = _softcap(logits, cfg.attn_logit_softcap).reshape(b, kh, n // kh, t, -1)
+    dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
+    visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
+    visible_bts &= (window == 0) | (dist_bts < window)
+    logits = jnp.where(visible_bts[:, None, None], logits, _NEG)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_bksh.dtype).reshape(b, kh, -1, k_bksh.shape[2])
+    out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh)
+    return out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
 def _mlp(x_btd, lp, cfg: ModelConfig):
     dt = x_btd.dtype
     gate = jnp.einsum("btd,df->btf", x_btd, lp["gate"].astype(dt))
@@ -172,9 +190,11 @@ def _block(h_btd, lp, attend, positions_bt, cfg: ModelConfig):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
-    """An empty KV cache: per-layer k/v [B, S, K, H], key positions [B, S] (-1 = empty)."""
+    """An empty KV cache: per-layer k/v [B, K, S, H], key positions [B, S] (-1 = empty).
+
+    Slots lie on the third axis so decode attention reads the cache without transposing it."""
     dtype = dtype or cfg.compute_jnp_dtype
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return {
         "layers": tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
                         for _ in range(cfg.num_layers)),
@@ -233,9 +253,11 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     new_layers = []
     for lp, lc, window in zip(layer_params, cache["layers"], windows):
         def attend(q, k, v, lc=lc, window=window):
-            ck = jax.lax.dynamic_update_slice(lc["k"], k.astype(lc["k"].dtype), (0, index, 0, 0))
-            cv = jax.lax.dynamic_update_slice(lc["v"], v.astype(lc["v"].dtype), (0, index, 0, 0))
-            out = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window, cfg)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+            ck = jax.lax.dynamic_update_slice(lc["k"], k.astype(lc["k"].dtype), (0, 0, index, 0))
+            cv = jax.lax.dynamic_update_slice(lc["v"], v.astype(lc["v"].dtype), (0, 0, index, 0))
+            out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
+                                   cfg)
             return out, {"k": ck, "v": cv}
         h, lc_new = _block(h, lp, attend, positions_bt, cfg)
         new_layers.append(lc_new)

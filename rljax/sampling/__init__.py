@@ -5,7 +5,7 @@ it); `sample_logits` and `filtered_logprobs` are the sampling distribution on pl
 """
 
 from rljax.sampling.filters import Filters, filtered_logprobs, make_filters, sample_logits
-from rljax.sampling.generate import (
+from rljax.sampling.sampler import (
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,

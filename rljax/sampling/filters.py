@@ -9,10 +9,10 @@ previous one left (renormalised):
              a token is kept when the mass strictly before it is < p  (Holtzman et al., 2020)
     min-p  : keep tokens with p(v) >= min_p * max_v p(v)             (Nguyen et al., 2024)
 
-Only top-p needs sorted probabilities. With top-k set, everything after it works on the k
-candidates that `lax.top_k` returns already sorted, so a large vocabulary is never fully sorted;
-without top-k, top-p sorts the whole row. A token is drawn by inverting the CDF with one uniform
-per row, which is exact and costs one cumsum instead of a Gumbel noise draw per vocabulary entry.
+Nothing sorts the vocabulary. With top-k set, everything after it works on the k candidates that
+`lax.top_k` returns sorted; without it, top-p finds its threshold by an exact bisection. A token
+is drawn by inverting the CDF with one uniform per row (two short cumsums, see `inverse_cdf`)
+rather than a Gumbel noise draw per vocabulary entry. Every step is O(V) and vectorises on CPU.
 """
 
 from __future__ import annotations
@@ -57,15 +57,64 @@ def make_filters(temperature: float, top_k: int, top_p: float, min_p: float, gre
     return Filters(top_k=int(top_k), use_top_p=top_p < 1.0, use_min_p=min_p > 0.0)
 
 
-def filter_logits(z_bk, filters: Filters, top_p, min_p):
+def _first_true(cond_bk):
+    """Index of the first True along the last axis (K where none)."""
+    k = cond_bk.shape[-1]
+    return jnp.min(jnp.where(cond_bk, jnp.arange(k, dtype=jnp.int32), k), axis=-1)
+
+
+def _last_true(cond_bk):
+    """Index of the last True along the last axis (-1 where none)."""
+    return jnp.max(jnp.where(cond_bk, jnp.arange(cond_bk.shape[-1], dtype=jnp.int32), -1), axis=-1)
+
+
+def argmax_first(x_bv):
+    """Arg-max with ties going to the lowest index, as a max and a min reduction (both vectorise
+    on CPU, unlike the variadic reduce behind `jnp.argmax`)."""
+    return _first_true(x_bv == jnp.max(x_bv, axis=-1, keepdims=True))
+
+
+def _ordered_key(z):
+    """An int32 key with the order of the float32 values (for an exact bisection over floats)."""
+    i = jax.lax.bitcast_convert_type(z, jnp.int32)
+    return jnp.where(i >= 0, i, jnp.int32(-(2**31)) - i - 1)
+
+
+def _top_p_mask(z_bv, probs_bv, top_p):
+    """Nucleus membership on an unsorted row, without a sort.
+
+    v is kept iff the mass of tokens with a larger logit is < top_p. That set is {z >= tau}, tau
+    the smallest logit with mass(z > tau) < top_p, found by a 32-step bisection over the ordered
+    integer keys of the float logits (exact, O(32 V) instead of a full sort).
+    """
+    keys_bv = _ordered_key(z_bv)
+    lo = jnp.min(keys_bv, axis=-1) - 1  # mass above lo is 1 >= top_p
+    hi = jnp.max(keys_bv, axis=-1)  # mass above hi is 0 < top_p
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+        above = jnp.sum(jnp.where(keys_bv > mid[:, None], probs_bv, 0.0), axis=-1)
+        small = above < top_p
+        return jnp.where(small, lo, mid), jnp.where(small, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return keys_bv >= hi[:, None]
+
+
+def filter_logits(z_bk, filters: Filters, top_p, min_p, *, sorted_desc: bool):
     """Applies top-p and min-p to tempered logits `z_bk` (-inf marks removed tokens).
 
-    With `filters.use_top_p`, `z_bk` must be sorted in descending order along the last axis.
+    `sorted_desc` says whether rows are sorted (the top-k candidates): top-p is then a cumsum,
+    else an exact bisection.
     """
     if filters.use_top_p:
         probs = jax.nn.softmax(z_bk, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        z_bk = jnp.where(mass_before < top_p, z_bk, _NEG_INF)
+        if sorted_desc:
+            keep = jnp.cumsum(probs, axis=-1) - probs < top_p
+        else:
+            keep = _top_p_mask(z_bk, probs, top_p)
+        z_bk = jnp.where(keep, z_bk, _NEG_INF)
     if filters.use_min_p:
         z_max = jnp.max(z_bk, axis=-1, keepdims=True)
         z_bk = jnp.where(z_bk >= z_max + jnp.log(min_p), z_bk, _NEG_INF)
@@ -75,16 +124,35 @@ def filter_logits(z_bk, filters: Filters, top_p, min_p):
 def candidates(logits_bv, temperature, filters: Filters):
     """Tempered, filtered logits of the candidate tokens and their vocabulary ids.
 
-    Returns (z_bk, ids_bk or None): with top-k (or top-p) the k = top_k (or V) candidates sorted
-    by logit, else the whole vocabulary in order with `ids_bk` None.
+    Returns (z_bk, ids_bk or None): with top-k the k candidates sorted by logit, else the whole
+    vocabulary in order with `ids_bk` None.
     """
     z = logits_bv.astype(jnp.float32) / temperature
-    vocab = z.shape[-1]
-    k = min(filters.top_k, vocab) if filters.top_k > 0 else (vocab if filters.use_top_p else 0)
     ids = None
-    if k:
-        z, ids = jax.lax.top_k(z, k)
+    if filters.top_k > 0 and filters.top_k < z.shape[-1]:
+        z, ids = jax.lax.top_k(z, filters.top_k)
     return z, ids
+
+
+def inverse_cdf(u_b, probs_bk):
+    """Index i with cdf[i-1] <= u < cdf[i], u in [0, sum p), never an index with p == 0.
+
+    Two levels (blocks of ~sqrt(K), then one block) keep every cumsum short. Rounding can only
+    move the draw to the nearest index with mass, never onto a removed token.
+    """
+    b, k = probs_bk.shape
+    block = max(16, 1 << (int(k**0.5) - 1).bit_length())
+    nb = -(-k // block)
+    probs_bnc = jnp.pad(probs_bk, ((0, 0), (0, nb * block - k))).reshape(b, nb, block)
+    mass_bn = jnp.sum(probs_bnc, axis=-1)
+    cdf_bn = jnp.cumsum(mass_bn, axis=-1)
+    j = _first_true((cdf_bn > u_b[:, None]) & (mass_bn > 0))
+    j = jnp.where(j == nb, _last_true(mass_bn > 0), j)[:, None]
+    u_b = u_b - (jnp.take_along_axis(cdf_bn, j, axis=1) - jnp.take_along_axis(mass_bn, j, axis=1))[:, 0]
+    probs_bc = jnp.take_along_axis(probs_bnc, j[:, :, None], axis=1)[:, 0]
+    i = _first_true((jnp.cumsum(probs_bc, axis=-1) > u_b[:, None]) & (probs_bc > 0))
+    i = jnp.where(i == block, _last_true(probs_bc > 0), i)
+    return j[:, 0] * block + i
 
 
 def sample_logits(key, logits_bv, temperature=1.0, top_p=1.0, min_p=0.0, *, filters: Filters):
@@ -95,31 +163,28 @@ def sample_logits(key, logits_bv, temperature=1.0, top_p=1.0, min_p=0.0, *, filt
     ties, as transformers does) and reports log-probability 0, a point mass.
     """
     if filters.greedy:
-        tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        tokens_b = argmax_first(logits_bv)
         return tokens_b, jnp.zeros(tokens_b.shape, jnp.float32)
     z_bk, ids_bk = candidates(logits_bv, temperature, filters)
-    z_bk = filter_logits(z_bk, filters, top_p, min_p)
-    probs_bk = jax.nn.softmax(z_bk, axis=-1)
-    cdf_bk = jnp.cumsum(probs_bk, axis=-1)
-    u_b1 = jax.random.uniform(key, (z_bk.shape[0], 1), jnp.float32) * cdf_bk[:, -1:]
-    choice_b = jnp.sum(cdf_bk <= u_b1, axis=-1)
-    # Rounding can put u at the very top of the CDF: fall back to the last token with mass.
-    kk = z_bk.shape[-1]
-    last_b = kk - 1 - jnp.argmax(jnp.flip(probs_bk > 0, axis=-1), axis=-1)
-    choice_b = jnp.minimum(choice_b, last_b)[:, None]
-    z_chosen = jnp.take_along_axis(z_bk, choice_b, axis=-1)[:, 0]
-    sampling_logp_b = z_chosen - jax.nn.logsumexp(z_bk, axis=-1)
-    tokens_b = choice_b[:, 0] if ids_bk is None else jnp.take_along_axis(ids_bk, choice_b, axis=-1)[:, 0]
-    return tokens_b.astype(jnp.int32), sampling_logp_b
+    z_bk = filter_logits(z_bk, filters, top_p, min_p, sorted_desc=ids_bk is not None)
+    z_max = jnp.max(z_bk, axis=-1, keepdims=True)
+    lse_b1 = z_max + jnp.log(jnp.sum(jnp.exp(z_bk - z_max), axis=-1, keepdims=True))
+    probs_bk = jnp.exp(z_bk - lse_b1)
+    u_b = jax.random.uniform(key, (z_bk.shape[0],), jnp.float32) * jnp.sum(probs_bk, axis=-1)
+    choice_b = inverse_cdf(u_b, probs_bk)[:, None]
+    sampling_logp_b = (jnp.take_along_axis(z_bk, choice_b, axis=-1) - lse_b1)[:, 0]
+    tokens_b = choice_b if ids_bk is None else jnp.take_along_axis(ids_bk, choice_b, axis=-1)
+    return tokens_b[:, 0].astype(jnp.int32), sampling_logp_b
 
 
 def filtered_logprobs(logits_bv, temperature=1.0, top_p=1.0, min_p=0.0, *, filters: Filters):
     """The full [B, V] log-probabilities of the sampling distribution (-inf off the support)."""
     if filters.greedy:
-        hot = jax.nn.one_hot(jnp.argmax(logits_bv, axis=-1), logits_bv.shape[-1], dtype=bool)
+        hot = jax.nn.one_hot(argmax_first(logits_bv), logits_bv.shape[-1], dtype=bool)
         return jnp.where(hot, 0.0, _NEG_INF)
     z_bk, ids_bk = candidates(logits_bv, temperature, filters)
-    logp_bk = jax.nn.log_softmax(filter_logits(z_bk, filters, top_p, min_p), axis=-1)
+    z_bk = filter_logits(z_bk, filters, top_p, min_p, sorted_desc=ids_bk is not None)
+    logp_bk = jax.nn.log_softmax(z_bk, axis=-1)
     if ids_bk is None:
         return logp_bk
     full = jnp.full(logits_bv.shape, _NEG_INF, jnp.float32)

@@ -135,13 +135,13 @@ def _prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, control
     h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
     logits_bv = logits_from_hidden(cfg, params, h_b1d)[:, 0]
 
-    def widen(x, fill):  # [B, P, ...] -> [B * n, P + new_bucket, ...]
-        x = jnp.repeat(x, num_samples, axis=0)
-        pad = [(0, 0), (0, new_bucket)] + [(0, 0)] * (x.ndim - 2)
-        return jnp.pad(x, pad, constant_values=fill)
+    def widen(x, slot_axis, fill):  # B rows, P slots -> B * n rows, P + new_bucket slots
+        pad = [(0, 0)] * x.ndim
+        pad[slot_axis] = (0, new_bucket)
+        return jnp.pad(jnp.repeat(x, num_samples, axis=0), pad, constant_values=fill)
 
-    cache = {"layers": tuple({name: widen(c, 0) for name, c in lc.items()} for lc in cache["layers"]),
-             "pos": widen(cache["pos"], -1), "index": cache["index"]}
+    cache = {"layers": tuple({name: widen(c, 2, 0) for name, c in lc.items()} for lc in cache["layers"]),
+             "pos": widen(cache["pos"], 1, -1), "index": cache["index"]}
     window = max([len(s) for s in spec.stop_sequences], default=1)
     state = DecodeState(
         cache=cache,

@@ -1,0 +1,154 @@
+"""Sampling throughput: rljax.sampling.generate vs transformers generate on the same weights.
+
+New tokens/s at batch 64, prompt 32, 64 new tokens (no early stop: no EOS), plain sampling at
+temperature 1. Also the fraction of the f32 compute roofline reached by decode, with the matmul
+peak measured here. Writes bench/results/sampling.json.
+
+    .venv/bin/python bench/bench_sampling.py [--configs qwen2-tiny qwen2-small] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.models import init_params, preset, save_hf
+from rljax.sampling import generate
+from rljax.sampling import sampler as generate_mod
+
+BATCH, PROMPT, NEW = 64, 32, 64
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best f32 GFLOP/s of one n x n x n matmul: the compute roof of this machine."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def decode_flops_per_token(cfg, slots: int) -> float:
+    """Matmul FLOPs of one decode token: 2 * (weights touched) + attention over `slots` keys."""
+    d, n, k, h, f, v, layers = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                cfg.intermediate_size, cfg.vocab_size, cfg.num_layers)
+    per_layer = d * (n + 2 * k) * h + n * h * d + 3 * d * f
+    attention = 2 * n * h * slots
+    return 2.0 * (layers * (per_layer + attention) + v * d)
+
+
+def time_it(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_rljax(cfg, params, prompts, repeats):
+    key = jax.random.key(0)
+
+    def run():
+        r = generate(cfg, params, prompts, key=key, max_new_tokens=NEW, temperature=1.0)
+        r.tokens.block_until_ready()
+        assert int(r.lengths.min()) == NEW
+        return r
+
+    run()  # compile
+    total = time_it(run, repeats)
+    # Prefill alone, to isolate decode for the roofline.
+    tokens, mask, spec, scalars = generate_mod._prepare(cfg, prompts, None, NEW, 1, 1.0, 0, 1.0, 0.0, False,
+                                                        (), (), 0)
+
+    def prefill():
+        s = generate_mod._prefill_jit(cfg, params, tokens, mask, key, np.int32(NEW), scalars, spec=spec,
+                                      num_samples=1, new_bucket=generate_mod.bucket_length(NEW))
+        jax.block_until_ready(s)
+
+    prefill()
+    pre = time_it(prefill, repeats)
+    return total, pre
+
+
+def bench_transformers(cfg, params, prompts, repeats):
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory() as d:
+        save_hf(cfg, params, d)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.tensor(np.asarray(prompts))
+    attn = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, use_cache=True,
+                                 max_new_tokens=NEW, min_new_tokens=NEW, temperature=1.0, top_k=0,
+                                 top_p=1.0, eos_token_id=None, pad_token_id=0)
+        assert out.shape[1] == PROMPT + NEW
+
+    run()
+    return time_it(run, repeats), transformers.__version__, torch.__version__
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="+", default=["qwen2-tiny", "qwen2-small"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sampling.json"))
+    args = ap.parse_args(argv)
+    peak = matmul_peak_gflops()
+    print(f"f32 matmul peak: {peak:.1f} GFLOP/s")
+    results = []
+    for name in args.configs:
+        cfg = preset(name)
+        params = init_params(cfg, jax.random.key(0))
+        prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+        total, pre = bench_rljax(cfg, params, prompts, args.repeats)
+        hf, tf_version, torch_version = bench_transformers(cfg, params, prompts, args.repeats)
+        new_tokens = BATCH * NEW
+        ours, theirs = new_tokens / statistics.median(total), new_tokens / statistics.median(hf)
+        decode_s = statistics.median(total) - statistics.median(pre)
+        decode_tps = BATCH * (NEW - 1) / decode_s  # token 0 comes from prefill
+        flops = decode_flops_per_token(cfg, slots=PROMPT + NEW // 2)
+        row = dict(config=name, batch=BATCH, prompt=PROMPT, new_tokens=NEW,
+                   rljax_new_tok_s=round(ours, 1), transformers_new_tok_s=round(theirs, 1),
+                   speedup=round(ours / theirs, 2), rljax_runs_s=[round(x, 4) for x in total],
+                   transformers_runs_s=[round(x, 4) for x in hf], prefill_s=round(statistics.median(pre), 4),
+                   decode_tok_s=round(decode_tps, 1), decode_gflops=round(decode_tps * flops / 1e9, 1),
+                   decode_roofline_fraction=round(decode_tps * flops / 1e9 / peak, 3))
+        print(json.dumps(row))
+        results.append(row)
+    record = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                     cpus=os.cpu_count(), jax_backend=jax.default_backend(), devices=str(jax.devices()[0])),
+        versions=dict(python=sys.version.split()[0], jax=jax.__version__, transformers=tf_version,
+                      torch=torch_version),
+        matmul_peak_gflops=round(peak, 1), results=results,
+        note="shared 2-core CPU with other jobs running: timings are noisy; medians of the repeats")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
