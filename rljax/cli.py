@@ -16,6 +16,7 @@ from rljax.errors import RljaxError
 # One line per subcommand module, in the order `rljax --help` lists them.
 _COMMAND_MODULES = [
     "rljax.models.command",
+    "rljax.sampling.command",
 ]
 
 

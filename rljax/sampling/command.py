@@ -1,0 +1,75 @@
+"""`rljax sample`: generate text from a Hugging Face checkpoint directory, streamed as it is drawn."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("sample", help="generate text from a checkpoint (streams by default)")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="HF directory: config.json, *.safetensors and tokenizer files")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--num-samples", type=int, default=1, help="completions to draw (printed at the end if > 1)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 turns it off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 turns it off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 turns it off")
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-stream", action="store_true", help="print only when generation ends")
+    p.set_defaults(func=_sample)
+
+
+def _sample(args) -> int:
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+
+    from rljax import tokenizers
+    from rljax.errors import CheckpointError, DataError
+    from rljax.models import load_hf
+    from rljax.sampling import stream
+
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{ckpt} has no config.json; pass a Hugging Face checkpoint directory")
+    if not args.prompt:
+        raise DataError("--prompt is empty; pass the text to continue")
+    cfg, params = load_hf(ckpt)
+    tok = tokenizers.load(ckpt)
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = tok.encode(text)
+    else:
+        ids = tok.encode(args.prompt, add_bos=tok.bos_id is not None)
+    if not ids:
+        raise DataError("the prompt encodes to no tokens; pass a longer prompt")
+    eos_ids = tuple(dict.fromkeys([*tok.eos_ids, *cfg.eos_ids]))
+    chunks = stream(cfg, params, np.asarray([ids], np.int32), key=jax.random.key(args.seed),
+                    max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    greedy=args.greedy, eos_ids=eos_ids, pad_id=tok.pad_id or 0)
+    live = args.num_samples == 1 and not args.no_stream
+    rows = [[] for _ in range(args.num_samples)]
+    shown = ""
+    for tokens, mask in chunks:
+        for row, (t, m) in enumerate(zip(tokens, mask)):
+            rows[row].extend(int(x) for x in t[m])
+        if live:  # re-decode the whole row so multi-token characters print once complete
+            text = tok.decode(rows[0])
+            if text.startswith(shown) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+    if live:
+        sys.stdout.write(tok.decode(rows[0])[len(shown):] + "\n")
+        return 0
+    for i, row in enumerate(rows):
+        if args.num_samples > 1:
+            print(f"--- sample {i}")
+        print(tok.decode(row))
+    return 0
