@@ -106,7 +106,7 @@ def test_batch_and_cache_shardings():
     sh = sharding.batch_shardings({"tokens": jnp.zeros((8, 5)), "odd": jnp.zeros((3,)), "s": jnp.zeros(())}, mesh)
     assert sh["tokens"].spec == P(("data", "fsdp")) and sh["odd"].spec == P(None) and sh["s"].spec == P()
     cache_sh = sharding.cache_shardings(init_cache(preset("qwen2-test"), 4, 16), mesh)
-    assert cache_sh["layers"][0]["k"].spec == P(("data", "fsdp"), None, "tensor", None)
+    assert cache_sh["layers"][0]["k"].spec == P(("data", "fsdp"), "tensor", None, None)
     assert cache_sh["pos"].spec == P(("data", "fsdp")) and cache_sh["index"].spec == P()
 
 
@@ -202,7 +202,7 @@ def test_sharded_cached_decode_equals_one_device():
     got = fn(sharding.shard_params(params, layout.mesh, fsdp=False), jax.device_put(cache, c_sh), prompt)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
     _close(got[1:], ref[1:])
-    assert got[2]["layers"][0]["k"].sharding.spec == P(("data", "fsdp"), None, "tensor", None)
+    assert got[2]["layers"][0]["k"].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
 
 
 # ----------------------------------------------------------------------------- multi-host config

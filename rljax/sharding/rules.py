@@ -155,13 +155,14 @@ def batch_shardings(batch, mesh: Mesh):
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """KV cache: k/v [B, S, K, H] over batch and kv heads (tensor), pos [B, S] over batch."""
+    """KV cache (`rljax.models.init_cache`): k/v [B, K, S, H] over batch and kv heads (tensor),
+    pos [B, S] over batch, the write index replicated."""
     tp = axis_size(mesh, "tensor")
 
     def one(x):
         if x.ndim == 4:
-            heads = "tensor" if tp > 1 and x.shape[2] % tp == 0 else None
-            return NamedSharding(mesh, P(batch_axes(mesh, x.shape[0]), None, heads, None))
+            heads = "tensor" if tp > 1 and x.shape[1] % tp == 0 else None
+            return NamedSharding(mesh, P(batch_axes(mesh, x.shape[0]), heads, None, None))
         if x.ndim >= 1:
             return NamedSharding(mesh, P(batch_axes(mesh, x.shape[0])))
         return NamedSharding(mesh, P())
