@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,14 +88,23 @@ def bench_rljax(cfg, params, prompts, repeats):
 
 
 def bench_transformers(cfg, params, prompts, repeats):
+    """transformers in a child process of this script (same weights, saved as a HF directory):
+    torch and XLA thread pools in one process slow each other down by over 10x here."""
+    with tempfile.TemporaryDirectory() as d:
+        save_hf(cfg, params, d)
+        np.save(os.path.join(d, "prompts.npy"), np.asarray(prompts))
+        out = subprocess.run([sys.executable, __file__, "--transformers-child", d, "--repeats", str(repeats)],
+                             check=True, capture_output=True, text=True).stdout
+    child = json.loads(out.strip().splitlines()[-1])
+    return child["runs"], child["transformers"], child["torch"]
+
+
+def transformers_child(d, repeats):
     import torch
     import transformers
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    with tempfile.TemporaryDirectory() as d:
-        save_hf(cfg, params, d)
-        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    ids = torch.tensor(np.asarray(prompts))
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.tensor(np.load(os.path.join(d, "prompts.npy")))
     attn = torch.ones_like(ids)
 
     def run():
@@ -105,15 +115,19 @@ def bench_transformers(cfg, params, prompts, repeats):
         assert out.shape[1] == PROMPT + NEW
 
     run()
-    return time_it(run, repeats), transformers.__version__, torch.__version__
+    print(json.dumps(dict(runs=time_it(run, repeats), transformers=transformers.__version__,
+                          torch=torch.__version__)))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["qwen2-tiny", "qwen2-small"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--transformers-child", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sampling.json"))
     args = ap.parse_args(argv)
+    if args.transformers_child:
+        return transformers_child(args.transformers_child, args.repeats)
     peak = matmul_peak_gflops()
     print(f"f32 matmul peak: {peak:.1f} GFLOP/s")
     results = []
@@ -139,7 +153,7 @@ def main(argv=None):
     record = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                     cpus=os.cpu_count(), jax_backend=jax.default_backend(), devices=str(jax.devices()[0])),
+                     cpus=len(os.sched_getaffinity(0)), jax_backend=jax.default_backend(), devices=str(jax.devices()[0])),
         versions=dict(python=sys.version.split()[0], jax=jax.__version__, transformers=tf_version,
                       torch=torch_version),
         matmul_peak_gflops=round(peak, 1), results=results,
