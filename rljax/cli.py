@@ -15,6 +15,7 @@ from rljax.errors import RljaxError
 
 # One line per subcommand module, in the order `rljax --help` lists them.
 _COMMAND_MODULES = [
+    "rljax.train.command",
     "rljax.models.command",
     "rljax.sampling.command",
 ]

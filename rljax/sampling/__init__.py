@@ -14,8 +14,9 @@ from rljax.sampling.sampler import (
     generate,
     stream,
 )
+from rljax.sampling.traced import SampleControls, sample
 
 __all__ = [
     "generate", "stream", "SampleResult", "bucket_length", "FINISH_LENGTH", "FINISH_EOS", "FINISH_STOP",
-    "sample_logits", "filtered_logprobs", "make_filters", "Filters",
+    "sample_logits", "filtered_logprobs", "make_filters", "Filters", "sample", "SampleControls",
 ]
