@@ -100,12 +100,19 @@ class SamplingSection:
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSection:
-    """Optional supervised warm start on reference answers before RL (steps=0: none)."""
+    """Optional supervised warm start on reference answers before RL (steps=0: none).
+
+    `target_accuracy` > 0 stops it early once greedy accuracy on `validation_size` training
+    problems (not the held-out split) reaches the target, checked every `check_every` steps.
+    """
 
     steps: int = 0
     batch_size: int = 64
     learning_rate: float = 1e-3
     warmup_steps: int = 0
+    target_accuracy: float = 0.0
+    validation_size: int = 200
+    check_every: int = 25
 
 
 @dataclasses.dataclass(frozen=True)

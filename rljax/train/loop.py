@@ -100,7 +100,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
         if resume:
             log(f"no checkpoint in {ckpt.directory}; starting from scratch")
         if cfg.warm_start.steps:
-            params = run_warm_start(cfg, model_cfg, params, tokenizer, train_set, fmt, k_warm, log=log)
+            validation = EvalSetup.build(model_cfg, train_set[:cfg.warm_start.validation_size], tokenizer, fmt,
+                                         reward_fn, controls, max_prompt_len=cfg.data.max_prompt_tokens,
+                                         add_bos=cfg.data.add_bos)
+            params = run_warm_start(cfg, model_cfg, params, tokenizer, train_set, fmt, k_warm,
+                                    validation=validation, log=log)
         state = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim)
         start_accuracy = greedy_accuracy(evaluator, state.params)
         log(f"held-out greedy accuracy before RL: {start_accuracy:.3f}")

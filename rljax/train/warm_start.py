@@ -46,11 +46,17 @@ def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt, key: jax.Array, *, log=print):
-    """`cfg.warm_start.steps` SFT steps on (prompt, reference answer + EOS) pairs; returns params.
+def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt, key: jax.Array, *,
+                   validation=None, log=print):
+    """Up to `cfg.warm_start.steps` SFT steps on (prompt, reference answer + EOS) pairs; returns params.
 
+    With `target_accuracy` > 0 the warm start stops as soon as greedy accuracy on `validation` (an
+    `EvalSetup` over *training* problems, never the held-out split) reaches it, checked every
+    `check_every` steps, so RL starts from a policy that solves some problems but not most.
     Batches are drawn with a seed derived from `key`, so the warm start is deterministic.
     """
+    from rljax.evaluation.runner import greedy_accuracy
+
     from rljax.data.templates import render_prompt
     from rljax.optim import OptimConfig, make_optimizer
 
@@ -72,6 +78,11 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
         tokens, attn, loss = pack_prompt_completion([prompts[j] for j in idx], [completions[j] for j in idx],
                                                     tokenizer.pad_id, prompt_len, completion_len)
         params, opt_state, nll = step(params, opt_state, tokens, attn, loss)
-        if (i + 1) % max(ws.steps // 5, 1) == 0:
+        if ws.target_accuracy and validation is not None and (i + 1) % ws.check_every == 0:
+            acc = greedy_accuracy(validation, params)
+            log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}, validation accuracy {acc:.3f}")
+            if acc >= ws.target_accuracy:
+                break
+        elif (i + 1) % max(ws.steps // 5, 1) == 0:
             log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}")
     return params
