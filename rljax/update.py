@@ -187,7 +187,8 @@ def _prepare(state: TrainState, batch: Batch):
     lengths_b = jnp.sum(mask, axis=-1)
     rewards_b = batch.rewards_b.astype(jnp.float32)
     if algo.overlong_max_length is not None:
-        rewards_b = rewards_b + shaping.overlong_penalty(lengths_b, algo.overlong_max_length, algo.overlong_buffer)
+        rewards_b = rewards_b + shaping.overlong_penalty(lengths_b, algo.overlong_max_length,
+                                                         algo.overlong_buffer)
     if algo.length_penalty:
         rewards_b = rewards_b + shaping.length_penalty(lengths_b, algo.length_penalty, mask.shape[-1])
 
@@ -210,12 +211,14 @@ def _prepare(state: TrainState, batch: Batch):
     if algo.uses_values:
         old_values = batch.old_values_bt
         if old_values is None:
-            old_values = _chunked(lambda t, a: _state_values(cfg, state.value_params, t, a), chunks, toks, attn)
+            old_values = _chunked(lambda t, a: _state_values(cfg, state.value_params, t, a),
+                                  chunks, toks, attn)
         old_values = sg(old_values.astype(jnp.float32))
     if algo.advantage == "remax" and batch.baseline_rewards_b is None:
         raise ConfigError("advantage='remax' needs batch.baseline_rewards_b (the greedy response's reward)")
     adv = ADVANTAGES.get(algo.advantage)(
-        rewards_b, batch.group_ids_b, mask, token_rewards_bt=token_rewards, baseline_b=batch.baseline_rewards_b,
+        rewards_b, batch.group_ids_b, mask, token_rewards_bt=token_rewards,
+        baseline_b=batch.baseline_rewards_b,
         values_bt=old_values, gamma=algo.gamma, lam=algo.lam, std_normalize=algo.std_normalize, eps=algo.eps)
     rows["adv"] = sg(adv)
     if algo.uses_values:
@@ -227,7 +230,8 @@ def _prepare(state: TrainState, batch: Batch):
         "reward/mean": jnp.mean(rewards_b), "reward/raw_mean": jnp.mean(batch.rewards_b.astype(jnp.float32)),
         "length/mean": jnp.mean(lengths_b),
         "adv/mean": adv_mean, "adv/std": jnp.sqrt(jnp.sum(jnp.square(adv - adv_mean) * mask) / n),
-        "adv/max": jnp.max(jnp.where(mask > 0, adv, -jnp.inf)), "adv/min": jnp.min(jnp.where(mask > 0, adv, jnp.inf)),
+        "adv/max": jnp.max(jnp.where(mask > 0, adv, -jnp.inf)),
+        "adv/min": jnp.min(jnp.where(mask > 0, adv, jnp.inf)),
         "zero_variance_groups": zero_variance_groups(batch.rewards_b.astype(jnp.float32), batch.group_ids_b),
         "is_weight/mean": jnp.sum(is_w * mask) / n,
     }

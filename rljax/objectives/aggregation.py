@@ -7,7 +7,8 @@ when each micro-batch's numerator is divided by the full denominator).
 
 With l the per-token loss, m the mask, n_b = sum_t m_bt, B the number of rows:
     token-mean               sum_bt l m / sum_bt m                 (DAPO, 2025)
-    seq-mean-token-mean      (1/B') sum_b [sum_t l m / n_b]        (GRPO, DeepSeekMath 2024; B' = rows with n_b > 0)
+    seq-mean-token-mean      (1/B') sum_b [sum_t l m / n_b]        (GRPO, DeepSeekMath 2024)
+                             with B' the number of rows with n_b > 0
     seq-mean-token-sum       (1/B) sum_b sum_t l m
     seq-mean-token-sum-norm  sum_bt l m / (B * L)                  (Dr. GRPO, 2025; L a constant length)
 """

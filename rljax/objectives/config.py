@@ -90,7 +90,8 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:
-            raise ConfigError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(sorted(PRESETS))}")
+            raise ConfigError(
+                f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(sorted(PRESETS))}")
         for name, value in {**_BASE, **PRESETS[self.algorithm]}.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -105,7 +106,8 @@ class AlgorithmConfig:
                 raise ConfigError(msg)
 
         need(self.clip_eps_low >= 0 and self.clip_eps_high >= 0, "clip_eps_low/high must be >= 0")
-        need(self.dual_clip is None or self.dual_clip > 1, f"dual_clip={self.dual_clip} must be > 1 (or None)")
+        need(self.dual_clip is None or self.dual_clip > 1,
+             f"dual_clip={self.dual_clip} must be > 1 (or None)")
         need(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0")
         need(self.value_coef >= 0, f"value_coef={self.value_coef} must be >= 0")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must lie in [0, 1]")
@@ -140,5 +142,6 @@ class AlgorithmConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - fields)
         if unknown:
-            raise ConfigError(f"unknown algorithm config key(s) {unknown}; valid keys: {', '.join(sorted(fields))}")
+            raise ConfigError(
+                f"unknown algorithm config key(s) {unknown}; valid keys: {', '.join(sorted(fields))}")
         return cls(**d)
