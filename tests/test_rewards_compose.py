@@ -63,12 +63,16 @@ def test_length_parts_need_num_tokens():
 
 def test_reasoning_gym_task_source_and_verifier():
     """Generated problems score 1 with their gold answer in <answer> tags, 0 with a wrong one."""
-    rows = rewards.reasoning_gym_examples("basic_arithmetic", size=4, seed=3)
-    rows += rewards.reasoning_gym_examples("chain_sum", size=2, seed=1)
+    from rljax.data.sources import from_reasoning_gym
+    from rljax.train.setup import verifier_metadata
+
+    examples = from_reasoning_gym("basic_arithmetic", size=4, seed=3).examples
+    examples += from_reasoning_gym("chain_sum", size=2, seed=1).examples
+    rows = [verifier_metadata(e) for e in examples]
     v = rewards.ReasoningGymAnswer()
     for row in rows:
         assert v(row, f"<think>…</think><answer>{row['answer']}</answer>")[0] == 1.0
         assert v(row, "<answer>not a number</answer>")[0] == 0.0
         assert v(row, "")[0] == 0.0
     with pytest.raises(DataError, match="no_such_task"):
-        rewards.reasoning_gym_examples("no_such_task", size=1)
+        from_reasoning_gym("no_such_task", size=1, seed=0)

@@ -21,7 +21,7 @@ from rljax.rewards.code import CodeTests, extract_code
 from rljax.rewards.extract import answer_tag, boxed, extract_answer, final_line, hash_answer
 from rljax.rewards.math import MathAnswer, math_verify
 from rljax.rewards.pool import Outcome, Task, VerifierPool, default_pool
-from rljax.rewards.reasoning import ReasoningGymAnswer, reasoning_gym_examples
+from rljax.rewards.reasoning import ReasoningGymAnswer
 from rljax.rewards.sandbox import SandboxLimits, run_code
 from rljax.rewards.shaping import OverlongPenalty, RegexFormat, TagFormat, TargetLength
 
@@ -30,5 +30,5 @@ __all__ = [
     "ReasoningGymAnswer", "RegexFormat", "RewardCallback", "RewardFn", "Rewards", "SandboxLimits",
     "TagFormat", "TargetLength", "Task", "Verifier", "VerifierPool", "answer_tag", "as_callback",
     "boxed", "compose", "default_pool", "extract_answer", "extract_code", "final_line",
-    "hash_answer", "math_verify", "reasoning_gym_examples", "run_code", "verifier",
+    "hash_answer", "math_verify", "run_code", "verifier",
 ]

@@ -1,6 +1,6 @@
-"""reasoning-gym as a task source and a verifier family, chosen by task name.
+"""reasoning-gym as a verifier family, chosen by task name.
 
-`reasoning_gym_examples` draws procedurally generated problems (``reasoning_gym.create_dataset``);
+The problems themselves come from `rljax.data.sources.from_reasoning_gym`;
 `ReasoningGymAnswer` scores a completion with the task's own ``score_answer`` after extracting the
 answer (an ``<answer>`` tag, else the final line). The task is read from each row's metadata, so
 one verifier serves a mixture of tasks.
@@ -16,19 +16,6 @@ from rljax.errors import DataError
 from rljax.rewards.extract import extract_answer
 
 ENTRY_KEY = "entry"  # metadata key holding the reasoning-gym entry ({"question", "answer", "metadata"})
-
-
-def reasoning_gym_examples(task: str, size: int, seed: int = 0, **config: Any) -> list[dict]:
-    """``size`` problems of ``task``: ``[{"prompt", "answer", "task", "entry"}]`` (JSON-friendly)."""
-    import reasoning_gym
-
-    try:
-        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
-    except (ValueError, KeyError) as e:
-        raise DataError(f"reasoning-gym task {task!r} could not be created ({e}); "
-                        "check the task name and its config keys") from e
-    return [{"prompt": e["question"], "answer": e["answer"], "task": task, ENTRY_KEY: dict(e)}
-            for e in dataset]
 
 
 @functools.lru_cache(maxsize=None)
