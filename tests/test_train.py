@@ -120,3 +120,17 @@ def test_resume_into_a_different_model_is_a_clear_error(tmp_path):
     assert proc.returncode == 2
     lines = [x for x in err.strip().splitlines() if not x.startswith("WARNING")]
     assert len(lines) == 1 and "num_layers" in lines[0], err[-2000:]
+
+
+def test_sharded_training_equals_one_device(tmp_path):
+    """Two iterations on an 8-device FSDP mesh give the same params as on one device (1e-5)."""
+    import jax
+
+    assert jax.device_count() == 8  # tests/conftest.py simulates 8 CPU devices
+    base = TINY + ["rl.iterations=2", "warm_start.steps=10", "eval.every=100", "checkpoint.every=100",
+                   "rl.prompts_per_iteration=16"]
+    one = train(load_config(None, base + ["mesh.devices=1", f"output_dir='{tmp_path / 'one'}'"]), log=lambda *_: None)
+    eight = train(load_config(None, base + [f"output_dir='{tmp_path / 'eight'}'"]), log=lambda *_: None)
+    assert len(eight.state.params["layers"]["q"].sharding.device_set) == 8
+    for a, b in zip(jax.tree.leaves(one.state.params), jax.tree.leaves(eight.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)

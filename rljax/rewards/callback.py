@@ -15,6 +15,7 @@ data); its outputs come back replicated, and the caller may reshard them.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -46,9 +47,11 @@ class RewardCallback:
         self.reward_fn, self.table, self.pool = reward_fn, table, pool
         self.decode = _decoder(decoder)
         self.last_infos: list[dict] = []
+        self.last_seconds = 0.0  # wall time of the latest call (decode + verify), for stage timings
 
     def eager(self, tokens_bt: Any, mask_bt: Any, index_b: Any) -> Rewards:
         """Scores on the host; returns `Rewards` of NumPy arrays."""
+        start = time.perf_counter()
         tokens_bt, mask_bt = np.asarray(tokens_bt), np.asarray(mask_bt).astype(bool)
         index_b = np.asarray(index_b)
         if tokens_bt.shape != mask_bt.shape or index_b.shape != tokens_bt.shape[:1]:
@@ -62,6 +65,7 @@ class RewardCallback:
         metas = [self.table[int(i)] for i in index_b]
         rewards, self.last_infos = self.reward_fn.batch(metas, texts, num_tokens=mask_bt.sum(1),
                                                         pool=self.pool)
+        self.last_seconds = time.perf_counter() - start
         return rewards
 
     def __call__(self, tokens_bt: Any, mask_bt: Any, index_b: Any) -> Rewards:

@@ -29,9 +29,11 @@ def register(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from rljax.sharding import initialize
     from rljax.train.config import load_config
     from rljax.train.loop import train
 
+    initialize()  # joins a multi-host run described by RLJAX_* env vars; a no-op otherwise
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, resume=args.resume)
     print(f"held-out greedy accuracy: {result.start_accuracy:.3f} -> {result.final_accuracy:.3f}")

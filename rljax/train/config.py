@@ -145,6 +145,17 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """The device mesh for training and sampling: axis sizes (-1: the rest of the devices) over
+    the first `devices` devices (0: all). One device means no sharding."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    devices: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class MetricsSection:
     tensorboard: bool = True
     wandb_project: str | None = None
@@ -169,6 +180,7 @@ class TrainConfig:
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     metrics: MetricsSection = MetricsSection()
+    mesh: MeshSection = MeshSection()
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples

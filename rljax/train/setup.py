@@ -5,7 +5,6 @@ Each builder is a plain function of the config so notebooks can call them one by
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -19,7 +18,7 @@ from rljax.models import ModelConfig, init_params, load_hf
 from rljax.rewards.reasoning import ENTRY_KEY
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
-from rljax.train.config import DataSection, ModelSection, RewardSection, TrainConfig
+from rljax.train.config import DataSection, MeshSection, ModelSection, RewardSection, TrainConfig
 
 CHARS_PREFIX = "chars:"
 
@@ -43,6 +42,17 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array) ->
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_ids[0] if tokenizer.eos_ids else None,
         pad_token_id=tokenizer.pad_id, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
     return cfg, init_params(cfg, key)
+
+
+def build_layout(section: MeshSection):
+    """The trainer layout over the configured mesh, or None on one device (nothing to shard)."""
+    from rljax.sharding import MeshConfig, make_mesh, trainer_layout
+
+    devices = jax.devices()[:section.devices] if section.devices else jax.devices()
+    if len(devices) == 1:
+        return None
+    mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), devices)
+    return trainer_layout(mesh)
 
 
 def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Example, ...], int]:
@@ -92,7 +102,3 @@ def run_summary(cfg: TrainConfig, model_cfg: ModelConfig, params: Any, train: tu
     return (f"model {model_cfg.model_type} {n / 1e6:.2f}M params | train {len(train)} / held-out {len(held)} "
             f"problems | {cfg.algorithm.algorithm}: {cfg.rl.iterations} iterations x "
             f"{cfg.rl.prompts_per_iteration} prompts x {cfg.sampling.num_samples} samples")
-
-
-def replace(cfg, **changes):
-    return dataclasses.replace(cfg, **changes)
