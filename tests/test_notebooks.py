@@ -39,7 +39,8 @@ def test_notebook_is_committed_without_outputs(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, monkeypatch):
-    """Every cell executes without error in the small setting (nbclient raises on the first failing cell)."""
+    """Every cell executes without error in the small setting (nbclient raises on the first failing
+    cell), and every plotting cell displays a PNG figure."""
     for key, value in KERNEL_ENV.items():
         monkeypatch.setenv(key, value)
     # The kernel is this interpreter (jupyter_client maps the spec's `python` to sys.executable).
@@ -52,4 +53,7 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch):
     elapsed = time.perf_counter() - start
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "plt.show()" in cell.source:
+            assert any("image/png" in o.get("data", {}) for o in cell.outputs), f"no figure shown:\n{cell.source}"
     print(f"{path.name}: {elapsed:.1f} s")
