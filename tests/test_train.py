@@ -20,7 +20,7 @@ from rljax.train.loop import train
 TINY = [
     "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
     "model.num_kv_heads=1", "model.head_dim=32", "data.size=3000", "data.eval_size=100", "eval.size=100",
-    "warm_start.steps=150", "warm_start.batch_size=64", "warm_start.learning_rate=3e-3",
+    "warm_start.steps=150", "warm_start.batch_size=64", "warm_start.learning_rate=3e-3", "warm_start.target_accuracy=0",
     "rl.prompts_per_iteration=32", "sampling.num_samples=8", "optim.learning_rate=3e-4",
     "metrics.tensorboard=false", "metrics.progress_bar=false",
 ]

@@ -104,6 +104,7 @@ class WarmStartSection:
 
     `target_accuracy` > 0 stops it early once greedy accuracy on `validation_size` training
     problems (not the held-out split) reaches the target, checked every `check_every` steps.
+    `max_seconds` > 0 stops it after that wall time (used by the supervised-only control run).
     """
 
     steps: int = 0
@@ -113,6 +114,7 @@ class WarmStartSection:
     target_accuracy: float = 0.0
     validation_size: int = 200
     check_every: int = 25
+    max_seconds: float = 0.0  # > 0: also stop after this wall time (for equal-time SFT controls)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ the prompt left-padded to P columns, the completion right-padded to C columns af
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import jax
@@ -73,7 +74,11 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
     step = make_sft_step(model_cfg, optimizer)
     opt_state = optimizer.init(params)
     nll = float("nan")
+    start = time.perf_counter()
     for i in range(ws.steps):
+        if ws.max_seconds and time.perf_counter() - start > ws.max_seconds:
+            log(f"warm start stopped at step {i} after {ws.max_seconds:.0f} s")
+            break
         idx = rng.integers(0, len(examples), ws.batch_size)
         tokens, attn, loss = pack_prompt_completion([prompts[j] for j in idx], [completions[j] for j in idx],
                                                     tokenizer.pad_id, prompt_len, completion_len)

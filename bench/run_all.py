@@ -1,0 +1,128 @@
+"""Runs every benchmark and writes one table: BENCHMARKS.md and bench/results/summary.json.
+
+    .venv/bin/python bench/run_all.py            # all benchmarks (about 10 minutes on a 2-core CPU)
+    .venv/bin/python bench/run_all.py --table    # only rebuild the table from bench/results/*.json
+
+Each script writes its own JSON (date, machine, versions) to bench/results/; this collects them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+ROOT = os.path.dirname(HERE)
+
+SCRIPTS = [
+    ("sampling", ["bench_sampling.py", "--repeats", "2"]),
+    ("update", ["bench_update.py", "--repeats", "3"]),
+    ("iteration", ["bench_iteration.py", "--iterations", "6"]),
+    ("scaling", ["bench_scaling.py", "--repeats", "2"]),
+    ("rewards", ["bench_rewards.py"]),
+]
+
+
+def _load(name):
+    path = os.path.join(RESULTS, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _row(*cells):
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def build_table() -> str:
+    lines = ["# Benchmarks", "", f"Collected {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by "
+             "`bench/run_all.py` from `bench/results/*.json`; each section names the date, machine and "
+             "versions of its own run. Re-run with `.venv/bin/python bench/run_all.py`.", ""]
+    s = _load("sampling")
+    if s:
+        lines += ["## Sampler vs transformers `generate` (batch 64, prompt 32, 64 new tokens, no early stop)", "",
+                  f"{s['date']}, {s['machine'].get('cpus')} CPUs, jax {s['versions']['jax']}, torch "
+                  f"{s['versions'].get('torch')}, transformers {s['versions'].get('transformers')}; measured f32 "
+                  f"matmul peak {s['matmul_peak_gflops']} GFLOP/s.", "",
+                  _row("config", "rljax new tok/s", "transformers new tok/s", "ratio", "decode share of f32 peak"),
+                  _row("---", "---", "---", "---", "---")]
+        for r in s["results"]:
+            frac = r.get("decode_roofline_fraction", "")
+            lines.append(_row(r["config"], r["rljax_new_tok_s"], r["transformers_new_tok_s"], f"{r['speedup']}x",
+                              frac))
+        lines.append("")
+    u = _load("update")
+    if u:
+        lines += ["## Update step vs a PyTorch step (B=32, T=128, one epoch, one mini-batch)", "",
+                  f"{u['date']}, {u['machine'].get('cpus')} CPUs, jax {u['versions']['jax']}, torch "
+                  f"{u['versions']['torch']}; measured matmul peak f32 {u['matmul_peak_gflops']['float32']} / bf16 "
+                  f"{u['matmul_peak_gflops']['bfloat16']} GFLOP/s.", "",
+                  _row("config / compute", "rljax tok/s", "PyTorch tok/s", "ratio", "rljax GFLOP/s",
+                       "share of f32 peak", "compile s"),
+                  _row("---", "---", "---", "---", "---", "---", "---")]
+        for name, run in u["runs"].items():
+            lines.append(_row(name, run["rljax_tokens_per_s"], run["torch_tokens_per_s"], f"{run['ratio_vs_torch']}x",
+                              run["rljax_gflops"], run["rljax_frac_of_f32_peak"], run["rljax_compile_s"]))
+        lines.append("")
+    it = _load("iteration")
+    if it:
+        st, fu, co = it["stages_separately_s"], it["fused_iteration_s"], it["compilations"]
+        lines += ["## End-to-end RL iteration (the default job's model)", "",
+                  f"{it['date']}, {it['machine']['cpus']} CPUs, jax {it['versions']['jax']}; "
+                  f"{it['setup']['prompts']} prompts x {it['setup']['samples_per_prompt']} samples, "
+                  f"{it['setup']['model_params']:,} params.", "",
+                  _row("fused iteration (steady)", "first (with compile)", "sample alone", "verify alone",
+                       "update alone", "compilations, first iteration", "recompiles after it"),
+                  _row(*["---"] * 7),
+                  _row(f"{fu['steady_median']:.3f} s", f"{fu['first_with_compile']:.1f} s", f"{st['sample']:.3f} s",
+                       f"{st['verify']:.3f} s", f"{st['update']:.3f} s", co["first_iteration"],
+                       co["recompiles_after_first"]), ""]
+    sc = _load("scaling")
+    if sc:
+        lines += ["## Scaling on simulated CPU devices (they share the host's cores: overhead, not speed-up)", "",
+                  f"{sc['model']}, batch {sc['batch']} x {sc['seq']}, jax {sc['jax']}.", "",
+                  _row("devices", "layout", "update s", "sampler s"), _row("---", "---", "---", "---")]
+        for r in sc["scaling"]:
+            lines.append(_row(r["devices"], r["layout"], r.get("update_s"), r.get("sampler_s")))
+        w = sc["weight_sync"]
+        lines += ["", f"Weight sync trainer -> sampler layout: {w['param_bytes'] / 1e6:.1f} MB in "
+                      f"{w['seconds'] * 1e3:.1f} ms (on device).", ""]
+    rw = _load("rewards")
+    if rw:
+        lines += ["## Verifiers: verifications/s, pool vs serial", "", f"{rw['date']}.", "",
+                  _row("workload", "serial /s", "pool /s"), _row("---", "---", "---")]
+        for name in sorted({k.split("/")[0] for k in rw["runs"]}):
+            pool = next(v for k, v in rw["runs"].items() if k.startswith(name + "/pool"))
+            lines.append(_row(name, rw["runs"][f"{name}/serial"]["verifications_per_s"], pool["verifications_per_s"]))
+        lines.append("")
+    lines += ["No GPU was lent to the session that produced these numbers, so GPU MFU and decode bandwidth "
+              "utilisation are not reported here; `bench_scaling.py --peak-tflops` and "
+              "`bench_sampling.py` report them when run on an accelerator.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--table", action="store_true", help="only rebuild BENCHMARKS.md from existing results")
+    args = ap.parse_args()
+    if not args.table:
+        for name, cmd in SCRIPTS:
+            t0 = time.perf_counter()
+            print(f"== {name}", flush=True)
+            subprocess.run([sys.executable, os.path.join(HERE, cmd[0]), *cmd[1:]], check=True, cwd=ROOT,
+                           stdout=subprocess.DEVNULL)
+            print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
+    table = build_table()
+    with open(os.path.join(ROOT, "BENCHMARKS.md"), "w") as f:
+        f.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
