@@ -76,3 +76,22 @@ def test_reasoning_gym_task_source_and_verifier():
         assert v(row, "")[0] == 0.0
     with pytest.raises(DataError, match="no_such_task"):
         from_reasoning_gym("no_such_task", size=1, seed=0)
+
+
+def test_pool_survives_a_killed_idle_worker():
+    """A worker killed while idle (e.g. by a notebook's SIGINT) is replaced; later tasks still run."""
+    import os
+    import signal
+    import time
+
+    from rljax.rewards.pool import Task, VerifierPool
+
+    with VerifierPool(1) as pool:
+        assert pool.run([Task(abs, (-2,), 30.0)])[0].value == 2
+        os.kill(pool._pool[0].proc.pid, signal.SIGINT)  # ignored by the worker
+        time.sleep(0.3)
+        assert pool._pool[0].proc.is_alive()
+        os.kill(pool._pool[0].proc.pid, signal.SIGKILL)
+        pool._pool[0].proc.join(5)
+        out = pool.run([Task(abs, (-3,), 30.0), Task(abs, (-4,), 30.0)])
+        assert [o.value for o in out] == [3, 4]

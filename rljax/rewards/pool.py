@@ -49,7 +49,13 @@ def default_workers() -> int:
 
 def _worker_main(conn: mp_connection.Connection) -> None:
     """Worker loop: announce readiness, then run (fn, args) messages until told to stop."""
+    import signal
+
     import rljax.rewards  # noqa: F401  # import the verifiers once, before the first deadline starts
+
+    # Ctrl-C (or a notebook's Interrupt, sent to the whole process group) is for the trainer; an
+    # idle worker that died of it would break the pool for the rest of the session.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     conn.send(("ready", None))
     while True:
@@ -128,8 +134,16 @@ class VerifierPool:
             for w in self._pool:
                 if w.ready and w.job is None and pending:
                     i = pending.popleft()
+                    if not w.proc.is_alive():  # died while idle: replace it, retry the task
+                        pending.appendleft(i)
+                        self._replace(w)
+                        continue
                     try:
                         w.conn.send((tasks[i].fn, tasks[i].args))
+                    except OSError:  # broken pipe to a dead worker: replace it, retry the task
+                        pending.appendleft(i)
+                        self._replace(w)
+                        continue
                     except Exception as e:  # noqa: BLE001  # unpicklable task
                         results[i] = Outcome(flag="error", message=f"task could not be sent: {e}")
                         continue

@@ -81,15 +81,13 @@ class MetricsWriter:
 def plot_curves(rows: list[dict[str, Any]], path: str | Path,
                 keys: tuple[str, ...] = ("reward/mean", "eval/accuracy")) -> Path | None:
     """Plots the named metrics against step into one PNG (one panel per metric present)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's (e.g. a notebook's) backend alone
 
     present = [k for k in keys if any(r.get(k) is not None for r in rows)]
     if not present:
         return None
-    fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.5), squeeze=False)
+    fig = Figure(figsize=(5 * len(present), 3.5))
+    axes = fig.subplots(1, len(present), squeeze=False)
     for ax, key in zip(axes[0], present):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 40 else None)
@@ -99,5 +97,4 @@ def plot_curves(rows: list[dict[str, Any]], path: str | Path,
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
