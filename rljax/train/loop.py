@@ -24,6 +24,7 @@ import numpy as np
 from rljax.checkpoint import Checkpointer
 from rljax.config_io import to_dict
 from rljax.data.pipeline import prompt_batches
+from rljax.errors import CheckpointError
 from rljax.evaluation.runner import EvalSetup, greedy_accuracy
 from rljax.rewards import as_callback
 from rljax.sampling import SampleControls
@@ -56,6 +57,9 @@ def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
 def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     """Runs `cfg` to completion (or resumes it from its latest checkpoint) and returns the result."""
     out = Path(cfg.output_dir)
+    if not resume and any((out / "checkpoints").glob("[0-9]*")):
+        raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run, or set "
+                              f"output_dir=... for a new one")
     out.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
     key = jax.random.key(cfg.seed)
