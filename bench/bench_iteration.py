@@ -87,7 +87,7 @@ def main() -> None:
                   loss_mask_bt=np.concatenate([np.zeros_like(pmask), out.mask], 1),
                   old_logp_bt=np.concatenate([np.zeros(pmask.shape, np.float32), out.logprobs], 1),
                   rewards_b=rewards.total_b, group_ids_b=np.repeat(np.arange(len(b.tokens_bt)), n))
-    state, _ = _timed(update_step, state, batch, jax.random.key(2))
+    (state, _), _ = _timed(update_step, state, batch, jax.random.key(2))
     _, t_update = _timed(update_step, state, batch, jax.random.key(3))
 
     steady = float(np.median(fused[1:])) if len(fused) > 1 else fused[0]
