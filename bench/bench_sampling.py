@@ -21,27 +21,14 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rljax.models import init_params, preset, save_hf
 from rljax.sampling import generate
 from rljax.sampling import sampler as generate_mod
+from peak import matmul_peak_gflops  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 BATCH, PROMPT, NEW = 64, 32, 64
-
-
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best f32 GFLOP/s of one n x n x n matmul: the compute roof of this machine."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
 
 
 def decode_flops_per_token(cfg, slots: int) -> float:

@@ -29,22 +29,10 @@ from rljax.models import init_params, preset, save_hf
 from rljax.objectives import AlgorithmConfig, prompt_major_group_ids
 from rljax.optim import OptimConfig
 from rljax.update import Batch, init_train_state, update_step
+from peak import matmul_peak_gflops  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 B, T, PROMPT, GROUP = 32, 128, 32, 8
 LR, EPS_CLIP = 1e-6, 0.2
-
-
-def matmul_peak_gflops(dtype, n: int = 2048, repeats: int = 5) -> float:
-    """Best GFLOP/s of one n x n x n jnp matmul in `dtype`: the compute roof of this machine."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
 
 
 def train_flops(cfg) -> float:

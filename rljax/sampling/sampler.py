@@ -34,6 +34,7 @@ from rljax.errors import ConfigError, DataError
 from rljax.models import ModelConfig, default_positions, forward, hidden_states, init_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, unstack_layers
 from rljax.sampling.filters import Filters, make_filters, sample_logits
+from rljax.tokenizers.batching import bucket_length as pad_bucket_length
 
 # Finish reasons, one int32 per row.
 FINISH_LENGTH = 0  # reached max_new_tokens
@@ -44,7 +45,7 @@ MIN_BUCKET = 16
 
 def bucket_length(n: int) -> int:
     """The padded length used for compiled shapes: the next power of two >= max(n, 16)."""
-    return max(MIN_BUCKET, 1 << (max(int(n), 1) - 1).bit_length())
+    return pad_bucket_length(int(n), MIN_BUCKET)
 
 
 @flax.struct.dataclass

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from rljax.checkpoint import Checkpointer
-from rljax.config_io import to_dict
 from rljax.data.pipeline import prompt_batches
 from rljax.errors import CheckpointError
 from rljax.evaluation.runner import EvalSetup, greedy_accuracy
