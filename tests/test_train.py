@@ -132,15 +132,56 @@ def test_resume_into_a_different_model_is_a_clear_error(tmp_path):
     assert len(lines) == 1 and "num_layers" in lines[0], err[-2000:]
 
 
-def test_sharded_training_equals_one_device(tmp_path):
+_SHARDED = TINY + ["rl.iterations=2", "warm_start.steps=10", "eval.every=100", "checkpoint.every=100",
+                   "rl.prompts_per_iteration=16"]
+
+
+@pytest.fixture(scope="module")
+def eight_device_run(tmp_path_factory):
+    """Two iterations on the default 8-device FSDP mesh, sampling in the trainer's layout (fused)."""
+    return train(load_config(None, _SHARDED + [f"output_dir='{tmp_path_factory.mktemp('eight')}'"]),
+                 log=lambda *_: None)
+
+
+def _assert_params_close(a, b):
+    import jax
+
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=0)
+
+
+def _untimed(history):
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in history]
+
+
+def test_sharded_training_equals_one_device(tmp_path, eight_device_run):
     """Two iterations on an 8-device FSDP mesh give the same params as on one device (1e-5)."""
     import jax
 
     assert jax.device_count() == 8  # tests/conftest.py simulates 8 CPU devices
-    base = TINY + ["rl.iterations=2", "warm_start.steps=10", "eval.every=100", "checkpoint.every=100",
-                   "rl.prompts_per_iteration=16"]
-    one = train(load_config(None, base + ["mesh.devices=1", f"output_dir='{tmp_path / 'one'}'"]), log=lambda *_: None)
-    eight = train(load_config(None, base + [f"output_dir='{tmp_path / 'eight'}'"]), log=lambda *_: None)
-    assert len(eight.state.params["layers"]["q"].sharding.device_set) == 8
-    for a, b in zip(jax.tree.leaves(one.state.params), jax.tree.leaves(eight.state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    one = train(load_config(None, _SHARDED + ["mesh.devices=1", f"output_dir='{tmp_path / 'one'}'"]),
+                log=lambda *_: None)
+    assert len(eight_device_run.state.params["layers"]["q"].sharding.device_set) == 8
+    _assert_params_close(one.state.params, eight_device_run.state.params)
+
+
+def test_separate_sampler_layout_equals_fused_iteration(tmp_path, eight_device_run):
+    """mesh.sampler=tensor (sampler mesh data=4 x tensor=2, params replicated over data, heads split;
+    trainer FSDP=8): weight sync -> sampling program -> update program gives the fused program's
+    params and metrics (<= 1e-5), and every iteration reports weight-sync, sample and update seconds."""
+    split = train(load_config(None, _SHARDED + ["mesh.sampler=tensor", "mesh.sampler_tensor=2",
+                                                f"output_dir='{tmp_path}'"]), log=lambda *_: None)
+    _assert_params_close(eight_device_run.state.params, split.state.params)
+    fused_rows, split_rows = _untimed(eight_device_run.history), _untimed(split.history)
+    assert [sorted(r) for r in fused_rows] == [sorted(r) for r in split_rows]
+    for f, s in zip(fused_rows, split_rows):
+        np.testing.assert_allclose([s[k] for k in sorted(f)], [f[k] for k in sorted(f)], atol=1e-5, rtol=0)
+    rl_rows = [r for r in split.history if "reward/mean" in r]
+    assert len(rl_rows) == 2
+    for r in rl_rows:
+        assert r["time/weight_sync_s"] > 0 and r["time/sample_s"] > 0 and r["time/update_s"] > 0
+        assert "time/sample_and_update_s" not in r
+    q_split, q_fused = split.state.params["layers"]["q"], eight_device_run.state.params["layers"]["q"]
+    assert q_split.sharding.is_equivalent_to(q_fused.sharding, q_split.ndim)  # back in the trainer layout
+    written = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("time/weight_sync_s" in r for r in written if "reward/mean" in r)

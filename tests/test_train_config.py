@@ -35,6 +35,9 @@ def test_overrides_are_typed_and_reach_nested_sections():
     ("sampling.num_samples=many", "sampling.num_samples='many' must be an integer"),
     ("data.source=csv", "data.source='csv' is not valid; choose one of 'reasoning_gym', 'jsonl'"),
     ("rl.iterations", "must look like key=value"),
+    ("mesh.sampler=fsdp", "mesh.sampler='fsdp' is not valid; choose one of 'shared', 'tensor'"),
+    ("mesh.sampler_tensor=2", "mesh.sampler_tensor only applies to a separate sampler layout"),
+    ("mesh.sampler_tensor=-1", "mesh.sampler_tensor=-1 must be >= 0"),
 ])
 def test_bad_config_is_one_clear_line(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("'", "'")):

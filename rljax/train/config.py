@@ -148,13 +148,30 @@ class CheckpointSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """The device mesh for training and sampling: axis sizes (-1: the rest of the devices) over
-    the first `devices` devices (0: all). One device means no sharding."""
+    """The device mesh: the trainer's axis sizes (-1: the rest of the devices) over the first
+    `devices` devices (0: all; a multi-process run needs all). One device means no sharding.
+
+    `sampler` picks where sampling runs:
+    - `shared`: in the trainer's layout (FSDP params); the whole iteration is ONE program.
+    - `tensor`: in its own layout, a mesh of data=-1 x tensor=`sampler_tensor` (0: the trainer's
+      tensor size) over the same devices, params replicated over data and split over heads and
+      the MLP on tensor, so decoding needs no per-token all-gathers. Each iteration then reshards
+      the params on device (`time/weight_sync_s`), runs a sampling program and an update program.
+    """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
     devices: int = 0
+    sampler: Literal["shared", "tensor"] = "shared"
+    sampler_tensor: int = 0
+
+    def __post_init__(self):
+        if self.sampler_tensor < 0:
+            raise ConfigError(f"mesh.sampler_tensor={self.sampler_tensor} must be >= 0 (0: the trainer's tensor size)")
+        if self.sampler_tensor and self.sampler == "shared":
+            raise ConfigError("mesh.sampler_tensor only applies to a separate sampler layout; "
+                              "set mesh.sampler='tensor' or drop mesh.sampler_tensor")
 
 
 @dataclasses.dataclass(frozen=True)

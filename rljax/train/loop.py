@@ -1,11 +1,16 @@
 """The RL loop of `rljax train`: warm start, then compiled iterations, with eval and checkpoints.
 
     for it in range(start, iterations):
-        prompts = next(data)                                   # grain: seeded, sharded, resumable
+        prompts = next(data)                                   # grain: seeded, this process's rows
         state, metrics = iteration(state, prompts, key_it)      # ONE compiled program: sample ->
                                                                 # verify (io_callback) -> update
         every eval.every:  greedy accuracy on the held-out split
         every checkpoint.every: async orbax save (params, opt state, step, rng, data state, config)
+
+With `mesh.sampler = "tensor"` the iteration is two programs instead (sampler layout, then
+trainer layout) with an on-device weight sync before them, timed as `time/weight_sync_s`.
+In a multi-process run (`rljax.sharding.initialize`) every process runs this same loop on its
+rows of each global batch; process 0 writes metrics, and checkpoints are written collectively.
 
 Everything random is derived from `cfg.seed` by `fold_in(key, iteration)`, so a resumed run
 replays exactly the iterations an uninterrupted run would.
@@ -23,13 +28,15 @@ import numpy as np
 
 from rljax.checkpoint import Checkpointer
 from rljax.data.pipeline import prompt_batches
-from rljax.errors import CheckpointError
+from rljax.data.pipeline import shard_rows
+from rljax.errors import CheckpointError, ConfigError
 from rljax.evaluation.runner import EvalSetup, greedy_accuracy
 from rljax.rewards import as_callback
 from rljax.sampling import SampleControls
+from rljax.sharding import Layout, global_batch, process_rows
 from rljax.train import setup
 from rljax.train.config import TrainConfig
-from rljax.train.iteration import make_iteration
+from rljax.train.iteration import make_iteration, make_split_iteration
 from rljax.train.metrics_writer import MetricsWriter, plot_curves
 from rljax.train.progress import Progress
 from rljax.train.warm_start import run_warm_start
@@ -64,7 +71,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     key = jax.random.key(cfg.seed)
     k_init, k_warm, k_loop = jax.random.split(key, 3)
 
-    state_layout = setup.build_layout(cfg.mesh)
+    state_layout, sampler_layout = setup.build_layouts(cfg.mesh)
     tokenizer = setup.build_tokenizer(cfg.model)
     model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init)
     train_set, held_out, skipped = setup.build_splits(cfg.data)
@@ -117,11 +124,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
         history.append(row)
 
     if state_layout is not None:
-        state = jax.device_put(state, state_layout.tree(state))
+        # Host copies in a multi-process run: identical in every process, each places its shards.
+        state = jax.device_put(jax.device_get(state) if jax.process_count() > 1 else state,
+                               state_layout.tree(state))
     callback = as_callback(reward_fn, tokenizer, [setup.verifier_metadata(e) for e in data.examples])
-    iteration = make_iteration(controls, callback, num_groups=cfg.rl.prompts_per_iteration // jax.process_count(),
-                               dynamic_sampling=cfg.rl.dynamic_sampling,
-                               greedy_baseline=cfg.algorithm.advantage == "remax")
+    # Shapes are global: prompts_per_iteration groups from `over` prompts over all processes.
+    kwargs = dict(num_groups=cfg.rl.prompts_per_iteration, dynamic_sampling=cfg.rl.dynamic_sampling,
+                  greedy_baseline=cfg.algorithm.advantage == "remax")
+    if sampler_layout is not None:
+        iteration = make_split_iteration(controls, callback, state, num_prompts=over, trainer=state_layout,
+                                         sampler=sampler_layout, **kwargs)
+    else:
+        iteration = make_iteration(controls, callback, layout=state_layout, **kwargs)
+    prompt_layout = sampler_layout or state_layout
+    if prompt_layout is not None:
+        _check_process_rows(prompt_layout, over)
     progress = Progress(cfg.rl.iterations, start, enabled=is_main and cfg.metrics.progress_bar)
     accuracy = next((r["eval/accuracy"] for r in reversed(history) if r.get("eval/accuracy") is not None), None)
     for it in range(start, cfg.rl.iterations):
@@ -131,19 +148,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
                 and state.ref_params is not None:
             state = reset_reference(state)
         prompts = (batch.tokens_bt, batch.mask_bt, batch.indices_b.astype(np.int32))
-        if state_layout is not None:
-            prompts = jax.device_put(prompts, state_layout.batch(prompts))
+        if prompt_layout is not None:
+            prompts = global_batch(prompts, prompt_layout.mesh)  # this process's rows -> global arrays
         state, metrics = iteration(state, *prompts, jax.random.fold_in(k_loop, it))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # replicated: every process reads
         dt = time.perf_counter() - t0
         metrics["time/iteration_s"] = dt
-        # Sampling and the update share one compiled program; the verifier callback is timed on the host.
+        # The verifier callback is timed on the host (on process 0, where it runs).
         metrics["time/verify_s"] = callback.last_seconds
-        metrics["time/sample_and_update_s"] = dt - callback.last_seconds
+        if sampler_layout is None:  # sampling and the update share one compiled program
+            metrics["time/sample_and_update_s"] = dt - callback.last_seconds
         metrics["tokens_per_s"] = metrics["tokens/generated"] / dt
         step = it + 1
         if step % cfg.eval.every == 0 or step == cfg.rl.iterations:
-            accuracy = greedy_accuracy(evaluator, state.params)
+            accuracy = greedy_accuracy(evaluator, _eval_params(state.params, state_layout))
             metrics["eval/accuracy"] = accuracy
         writer.write(step, metrics)
         history.append({"step": step, **metrics})
@@ -159,6 +177,26 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     writer.close()
     plot = plot_curves(writer.read(), out / "curves.png") if is_main else None
     return RunResult(out, state, history, start_accuracy, accuracy, plot)
+
+
+def _check_process_rows(layout: Layout, global_rows: int) -> None:
+    """The data pipeline's rows for this process must be the rows its devices hold on the mesh."""
+    if jax.process_count() == 1:
+        return
+    want = process_rows(layout.mesh, global_rows)
+    got = shard_rows(global_rows, jax.process_index(), jax.process_count())
+    if (want.start, want.stop) != (got.start, got.stop):
+        raise ConfigError(f"process {jax.process_index()} loads prompt rows {got.start}:{got.stop} but its devices "
+                          f"hold rows {want.start}:{want.stop} on mesh {dict(layout.mesh.shape)}; make the batch "
+                          "axes (data x fsdp) a multiple of the process count")
+
+
+def _eval_params(params, layout: Layout | None):
+    """Params the host-driven evaluator can use: across processes, a full copy on every device
+    (so each process decodes and reads back whole arrays); otherwise as they are."""
+    if layout is None or jax.process_count() == 1:
+        return params
+    return jax.device_put(params, layout.replicated)
 
 
 def _extra(state: TrainState) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from rljax.data.example import Example
 from rljax.data.sources import load_task
 from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat
+from rljax.errors import ConfigError
 from rljax.models import ModelConfig, init_params, load_hf
 from rljax.rewards.reasoning import ENTRY_KEY
 from rljax.tokenizers import CharTokenizer, Tokenizer
@@ -44,15 +45,32 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array) ->
     return cfg, init_params(cfg, key)
 
 
-def build_layout(section: MeshSection):
-    """The trainer layout over the configured mesh, or None on one device (nothing to shard)."""
-    from rljax.sharding import MeshConfig, make_mesh, trainer_layout
+def build_layouts(section: MeshSection):
+    """(trainer layout, sampler layout) over the configured devices.
+
+    The trainer layout is None on one device (nothing to shard); the sampler layout is None when
+    the sampler shares the trainer's (`mesh.sampler = "shared"`) or there is nothing to shard.
+    A multi-process run must use every device of every process.
+    """
+    from rljax.sharding import MeshConfig, make_mesh, sampler_layout, trainer_layout
 
     devices = jax.devices()[:section.devices] if section.devices else jax.devices()
+    if jax.process_count() > 1 and len(devices) != jax.device_count():
+        raise ConfigError(f"mesh.devices={section.devices}: a {jax.process_count()}-process run must use all "
+                          f"{jax.device_count()} devices; set mesh.devices=0")
     if len(devices) == 1:
-        return None
+        return None, None
     mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), devices)
-    return trainer_layout(mesh)
+    if section.sampler == "shared":
+        return trainer_layout(mesh), None
+    tensor = section.sampler_tensor or mesh.shape["tensor"]
+    sampler_mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=tensor), devices)
+    return trainer_layout(mesh), sampler_layout(sampler_mesh)
+
+
+def build_layout(section: MeshSection):
+    """The trainer layout over the configured mesh, or None on one device (nothing to shard)."""
+    return build_layouts(section)[0]
 
 
 def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Example, ...], int]:
