@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-import multihost_worker as w
+import standin_train_step as w
 from rljax import sharding
 from rljax.errors import ConfigError
 from rljax.models import forward, init_cache, init_params, preset

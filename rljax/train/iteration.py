@@ -107,8 +107,8 @@ def _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling, greedy_
 def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_groups: int,
                    dynamic_sampling: bool = False, greedy_baseline: bool = False, layout: Layout | None = None):
     """Builds `iteration(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (state, metrics)`,
-    ONE jitted program with the state donated. With a `layout`, the metrics come back replicated
-    (readable on every process)."""
+    ONE jitted program with the state donated. With a `layout` (the trainer's), the new state comes
+    back in it and the metrics come back replicated (readable on every process)."""
     roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling, greedy_baseline)
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
@@ -117,6 +117,9 @@ def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_g
         state, update_metrics = update_step_fn(state, batch, k_update)
         metrics = {**update_metrics, **metrics}
         if layout is not None:
+            # Pin the outputs: the state leaves as it came (so the next call hits the compile
+            # cache instead of recompiling for an equivalent inferred layout), metrics replicated.
+            state = jax.lax.with_sharding_constraint(state, layout.tree(state))
             metrics = jax.lax.with_sharding_constraint(metrics, layout.replicated)
         return state, metrics
 

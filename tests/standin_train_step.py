@@ -1,17 +1,10 @@
-"""A stand-in training step shared by the sharding tests, and the worker of the two-process test.
-
-As a script: `python multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR LAYOUT STEPS`
-joins a localhost cluster (4 CPU devices per process), runs STEPS sharded training steps on its
-own rows of each global batch, saves params + optimiser state collectively with orbax to
-OUT_DIR/ckpt and, on process 0 only, writes the losses to OUT_DIR/losses.json.
-"""
+"""A stand-in training step (plain NLL + AdamW) shared by the sharding tests: one process on
+simulated devices, compiled with explicit shardings for each named layout. The two-process test
+(tests/test_multihost.py) runs the real `rljax train` instead."""
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import sys
 
 import numpy as np
 
@@ -83,41 +76,3 @@ def sharded_step(layout_name: str):
                                  in_shardings=(p_sh, o_sh, tok_sh, tok_sh),
                                  out_shardings=(p_sh, o_sh, layout.replicated))
     return layout, step
-
-
-def main(argv):
-    process_id, num_processes, port, out_dir, layout_name, steps = argv
-    process_id, num_processes, steps = int(process_id), int(num_processes), int(steps)
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    from rljax import sharding
-    sharding.initialize(sharding.DistributedConfig(f"localhost:{port}", num_processes, process_id,
-                                                   initialization_timeout=60))
-    import orbax.checkpoint as ocp
-
-    layout, step = sharded_step(layout_name)
-    params, opt_state = initial_state(layout)
-    rows = sharding.process_rows(layout.mesh, BATCH)
-    losses = []
-    for i in range(steps):
-        tokens, mask = batch(i)
-        tokens, mask = sharding.global_batch((tokens[rows], mask[rows]), layout.mesh)
-        params, opt_state, loss = step(params, opt_state, tokens, mask)
-        losses.append(float(loss))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(out_dir, "ckpt"), {"params": params, "opt_state": opt_state})
-    checkpointer.wait_until_finished()
-
-    @sharding.main_process_only
-    def write_losses():
-        with open(os.path.join(out_dir, "losses.json"), "w") as f:
-            json.dump(losses, f)
-    write_losses()
-    jax.distributed.shutdown()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    main(sys.argv[1:])
