@@ -144,7 +144,7 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
     def rows_sharding(layout: Layout, size: int) -> NamedSharding:
         return NamedSharding(layout.mesh, P(batch_axes(layout.mesh, size)))
 
-    sampler_params = sampler.params(state.params)
+    sampler_params_sh = sampler.params(state.params)
     state_shardings = trainer.tree(state)
 
     def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
@@ -157,18 +157,18 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
 
     prompts_in = rows_sharding(sampler, num_prompts)
     sample_jit = jax.jit(sample_program,
-                         in_shardings=(sampler_params, prompts_in, prompts_in, prompts_in, sampler.replicated),
+                         in_shardings=(sampler_params_sh, prompts_in, prompts_in, prompts_in, sampler.replicated),
                          out_shardings=(rows_sharding(sampler, rows), sampler.replicated))
+    batch_sh = rows_sharding(trainer, rows)  # every Batch leaf is [rows, ...]
     update_jit = jax.jit(update_program, donate_argnums=(0,),
-                         in_shardings=(state_shardings, rows_sharding(trainer, rows), trainer.replicated),
+                         in_shardings=(state_shardings, batch_sh, trainer.replicated),
                          out_shardings=(state_shardings, trainer.replicated))
-    batch_out = rows_sharding(trainer, rows)
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
-        params, sync_s = sync_weights(state.params, sampler_params)
+        params, sync_s = sync_weights(state.params, sampler_params_sh)
         t0 = time.perf_counter()
         batch, metrics = sample_jit(params, prompt_tokens_pt, prompt_mask_pt, index_p, key)
-        batch = jax.block_until_ready(jax.device_put(batch, batch_out))
+        batch = jax.block_until_ready(jax.device_put(batch, batch_sh))  # sampler -> trainer mesh
         del params  # the sampler's copy is rebuilt from the updated params next iteration
         t1 = time.perf_counter()
         state, update_metrics = update_jit(state, batch, key)

@@ -97,7 +97,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     history: list[dict[str, Any]] = []
     start_accuracy = None
     if resume and ckpt.latest_step() is not None:
-        template = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim)
+        # Restore straight into the trainer layout: each process reads only the shards it holds.
+        template = _place(init_train_state(model_cfg, params, cfg.algorithm, cfg.optim), state_layout)
         restored = ckpt.restore(params=template.params, opt_state=template.opt_state,
                                 extra=_extra(template), model_config=model_cfg)
         state = template.replace(params=restored.params, opt_state=restored.opt_state, **restored.extra)
@@ -118,15 +119,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
                                     validation=validation, log=log)
         state = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim)
         start_accuracy = greedy_accuracy(evaluator, state.params)
+        state = _place(state, state_layout)
         log(f"held-out greedy accuracy before RL: {start_accuracy:.3f}")
         row = {"step": 0, "eval/accuracy": start_accuracy}
         writer.write(0, row)
         history.append(row)
 
-    if state_layout is not None:
-        # Host copies in a multi-process run: identical in every process, each places its shards.
-        state = jax.device_put(jax.device_get(state) if jax.process_count() > 1 else state,
-                               state_layout.tree(state))
     callback = as_callback(reward_fn, tokenizer, [setup.verifier_metadata(e) for e in data.examples])
     # Shapes are global: prompts_per_iteration groups from `over` prompts over all processes.
     kwargs = dict(num_groups=cfg.rl.prompts_per_iteration, dynamic_sampling=cfg.rl.dynamic_sampling,
@@ -189,6 +187,14 @@ def _check_process_rows(layout: Layout, global_rows: int) -> None:
         raise ConfigError(f"process {jax.process_index()} loads prompt rows {got.start}:{got.stop} but its devices "
                           f"hold rows {want.start}:{want.stop} on mesh {dict(layout.mesh.shape)}; make the batch "
                           "axes (data x fsdp) a multiple of the process count")
+
+
+def _place(state: TrainState, layout: Layout | None) -> TrainState:
+    """The state in the trainer layout. Across processes it is placed from host copies (identical
+    in every process: same seed, same deterministic init and warm start), each process its shards."""
+    if layout is None:
+        return state
+    return jax.device_put(jax.device_get(state) if jax.process_count() > 1 else state, layout.tree(state))
 
 
 def _eval_params(params, layout: Layout | None):
