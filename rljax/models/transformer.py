@@ -92,16 +92,37 @@ def rms_norm(x, w, cfg: ModelConfig):
     return (x32 * scale).astype(x.dtype)
 
 
-def rope(x_btnh, positions_bt, cfg: ModelConfig):
-    """Rotary position embedding (RoFormer, Su et al., 2021), in the rotate-half layout of HF."""
+def rope_tables(positions_bt, cfg: ModelConfig):
+    """(cos, sin) [B, T, 1, H] of the rotary angles at `positions_bt`, computed once per forward
+    and shared by every layer's queries and keys."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles_bth), jnp.sin(angles_bth)
+    return jnp.cos(angles_bth), jnp.sin(angles_bth)
+
+
+def rope(x_btnh, tables):
+    """Rotary position embedding (RoFormer, Su et al., 2021), in the rotate-half layout of HF:
+    x * cos + rotate_half(x) * sin, with `tables` from `rope_tables`."""
+    cos, sin = tables
     x = x_btnh.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rotated * sin).astype(x_btnh.dtype)
+
+
+def project(x, w, contract: int = 1):
+    """Contracts the last `contract` axes of `x` with the first `contract` axes of `w`, as ONE
+    2-D matmul over all leading rows: [B, T, in...] @ [in..., out...] -> [B, T, out...].
+
+    Same math as an einsum, but folding batch and time into one row axis gives the backward pass
+    a weight gradient with a single contracting axis (rows); with two (b and t), XLA:CPU first
+    copies a transposed activation gradient, which cost about a third of the MLP's training step.
+    """
+    lead, k_shape = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
+    k = int(np.prod(k_shape))
+    y = jnp.dot(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1))
+    return y.reshape(*lead, *w.shape[contract:])
 
 
 def _softcap(x, cap):
@@ -149,32 +170,28 @@ def cached_attention(q_btnh, k_bksh, v_bksh, q_pos_bt, k_pos_bs, window, cfg: Mo
 
 
 def _mlp(x_btd, lp, cfg: ModelConfig):
-    dt = x_btd.dtype
-    gate = jnp.einsum("btd,df->btf", x_btd, lp["gate"].astype(dt))
-    up = jnp.einsum("btd,df->btf", x_btd, lp["up"].astype(dt))
+    gate, up = project(x_btd, lp["gate"]), project(x_btd, lp["up"])
     act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return jnp.einsum("btf,fd->btd", act * up, lp["down"].astype(dt))
+    return project(act * up, lp["down"])
 
 
-def _qkv(x_btd, lp, positions_bt, cfg: ModelConfig):
+def _qkv(x_btd, lp, rope_btih, cfg: ModelConfig):
     dt = x_btd.dtype
-    q = jnp.einsum("btd,dnh->btnh", x_btd, lp["q"].astype(dt))
-    k = jnp.einsum("btd,dkh->btkh", x_btd, lp["k"].astype(dt))
-    v = jnp.einsum("btd,dkh->btkh", x_btd, lp["v"].astype(dt))
+    q, k, v = project(x_btd, lp["q"]), project(x_btd, lp["k"]), project(x_btd, lp["v"])
     if cfg.qkv_bias:
         q, k, v = q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt), v + lp["v_bias"].astype(dt)
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
-    return rope(q, positions_bt, cfg), rope(k, positions_bt, cfg), v
+    return rope(q, rope_btih), rope(k, rope_btih), v
 
 
-def _block(h_btd, lp, attend, positions_bt, cfg: ModelConfig):
+def _block(h_btd, lp, attend, rope_btih, cfg: ModelConfig):
     """One pre-norm block; `attend(q, k, v)` supplies keys (fresh or from the cache)."""
     dt = h_btd.dtype
     x = rms_norm(h_btd, lp["attn_norm"], cfg)
-    q, k, v = _qkv(x, lp, positions_bt, cfg)
+    q, k, v = _qkv(x, lp, rope_btih, cfg)
     attn_btnh, extra = attend(q, k, v)
-    attn = jnp.einsum("btnh,nhd->btd", attn_btnh, lp["o"].astype(dt))
+    attn = project(attn_btnh, lp["o"], contract=2)
     if cfg.o_bias:
         attn = attn + lp["o_bias"].astype(dt)
     if cfg.sandwich_norm:
@@ -227,6 +244,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         h = h * jnp.asarray(np.sqrt(cfg.hidden_size), dt)
     new_pos_bt = jnp.where(attn_mask_bt, positions_bt, -1)
     windows = cfg.layer_windows()
+    rope_btih = rope_tables(positions_bt, cfg)
 
     if cache is None:
         def attend_fresh(window):
@@ -236,7 +254,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
 
         def scan_body(h, xs):
             lp, window = xs
-            h, _ = _block(h, lp, attend_fresh(window), positions_bt, cfg)
+            h, _ = _block(h, lp, attend_fresh(window), rope_btih, cfg)
             return h, None
 
         body = jax.checkpoint(scan_body) if remat else scan_body
@@ -259,7 +277,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
             out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
                                    cfg)
             return out, {"k": ck, "v": cv}
-        h, lc_new = _block(h, lp, attend, positions_bt, cfg)
+        h, lc_new = _block(h, lp, attend, rope_btih, cfg)
         new_layers.append(lc_new)
     new_cache = {"layers": tuple(new_layers), "pos": k_pos_bs, "index": index + t}
     return rms_norm(h, params["final_norm"], cfg), new_cache
@@ -268,8 +286,9 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):
     """Vocabulary logits in f32: h @ W^T with W the tied embedding or the LM head."""
     w_vd = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,vd->btv", h_btd, w_vd.astype(h_btd.dtype),
-                        preferred_element_type=jnp.float32)
+    b, t, d = h_btd.shape
+    logits = jax.lax.dot_general(h_btd.reshape(b * t, d), w_vd.astype(h_btd.dtype), (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32).reshape(b, t, -1)
     return _softcap(logits, cfg.final_logit_softcap)
 
 
