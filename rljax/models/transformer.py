@@ -121,8 +121,35 @@ def project(x, w, contract: int = 1):
     """
     lead, k_shape = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
     k = int(np.prod(k_shape))
-    y = jnp.dot(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1))
+    y = _matmul(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1))
     return y.reshape(*lead, *w.shape[contract:])
+
+
+@jax.custom_vjp
+def _matmul(x_mk, w_kn):
+    """x @ w accumulated in f32 and rounded to the inputs' dtype once, forward and backward.
+
+    The backward keeps the cotangent in the compute dtype (as bf16 autocast does), so all three
+    matmuls of a bf16 layer run bf16 x bf16 -> f32, which XLA:CPU executes natively; left to
+    autodiff, the f32 cotangent would upcast the weight and run the two backward matmuls in f32.
+    For f32 inputs this is exactly autodiff's rule.
+    """
+    return jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32).astype(x_mk.dtype)
+
+
+def _matmul_fwd(x_mk, w_kn):
+    return _matmul(x_mk, w_kn), (x_mk, w_kn)
+
+
+def _matmul_bwd(res, g_mn):
+    x_mk, w_kn = res
+    g_mn = g_mn.astype(x_mk.dtype)
+    dx_mk = jax.lax.dot_general(g_mn, w_kn, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw_kn = jax.lax.dot_general(x_mk, g_mn, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx_mk.astype(x_mk.dtype), dw_kn.astype(w_kn.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _softcap(x, cap):
