@@ -33,6 +33,7 @@ import numpy as np
 from rljax.errors import ConfigError, DataError
 from rljax.models import ModelConfig, default_positions, forward, hidden_states, init_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, unstack_layers
+from rljax.models.transformer import CACHE_SLOT_AXIS
 from rljax.sampling.filters import Filters, make_filters, sample_logits
 from rljax.tokenizers.batching import bucket_length as pad_bucket_length
 
@@ -141,7 +142,8 @@ def _prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, control
         pad[slot_axis] = (0, new_bucket)
         return jnp.pad(jnp.repeat(x, num_samples, axis=0), pad, constant_values=fill)
 
-    cache = {"layers": tuple({name: widen(c, 2, 0) for name, c in lc.items()} for lc in cache["layers"]),
+    cache = {"layers": tuple({name: widen(c, CACHE_SLOT_AXIS[name], 0) for name, c in lc.items()}
+                             for lc in cache["layers"]),
              "pos": widen(cache["pos"], 1, -1), "index": cache["index"]}
     window = max([len(s) for s in spec.stop_sequences], default=1)
     state = DecodeState(

@@ -155,7 +155,8 @@ def batch_shardings(batch, mesh: Mesh):
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """KV cache (`rljax.models.init_cache`): k/v [B, K, S, H] over batch and kv heads (tensor),
+    """KV cache (`rljax.models.init_cache`): k [B, K, H, S] and v [B, K, S, H] over batch and kv
+    heads (tensor),
     pos [B, S] over batch, the write index replicated."""
     tp = axis_size(mesh, "tensor")
 
