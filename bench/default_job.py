@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--control-seconds", type=float, default=None,
                     help="wall time of the SFT-only control (default: seed 0's run time)")
     ap.add_argument("--collect-only", action="store_true", help="only summarise existing runs")
+    ap.add_argument("--skip-control", action="store_true", help="run the seeds only (the control ran before)")
     args = ap.parse_args()
     os.makedirs(RUNS, exist_ok=True)
     walls = {}
@@ -60,6 +61,7 @@ def main() -> None:
                     walls[name] = time.perf_counter() - t0
                     running.remove(item)
             time.sleep(1)
+    if not args.collect_only and not args.skip_control:
         control_s = args.control_seconds or walls.get("seed0")
         proc, t0 = _launch("control_sft", ["seed=0", "rl.iterations=0", "warm_start.target_accuracy=0",
                                            "warm_start.steps=1000000", f"warm_start.max_seconds={control_s - 20:.0f}"])
@@ -75,6 +77,11 @@ def main() -> None:
             out["runs"][name] = {"before_rl": before, "after": after, "gain_points": round(100 * (after - before), 2),
                                  "wall_s": walls.get(name), "evals": evals}
     dest = os.path.join(HERE, "results", "default_job.json")
+    if os.path.exists(dest):  # keep wall times measured by an earlier invocation for runs not re-run now
+        earlier = json.load(open(dest)).get("runs", {})
+        for name, row in out["runs"].items():
+            if row["wall_s"] is None and name in earlier:
+                row["wall_s"] = earlier[name].get("wall_s")
     with open(dest, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps({k: {kk: v[kk] for kk in ("before_rl", "after", "gain_points", "wall_s")}

@@ -178,6 +178,14 @@ def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConf
     return out.reshape(b, t, n, h)
 
 
+# For training: the backward pass recomputes the [B, K, G, T, S] scores and probabilities from q
+# and k instead of storing them for every layer, so the saved activations hold no T^2 tensor per
+# layer (the idea of FlashAttention's backward, Dao et al., 2022). Recomputing costs 2 T^2 H N
+# flops per row, small next to the projections at these lengths: the qwen2-small update step
+# takes the same time with it, and the gradients are bitwise equal.
+_attention_recomputed = jax.checkpoint(attention, static_argnums=(6,))
+
+
 def cached_attention(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
     """`attention` over a KV cache that stores keys transposed, [B, K, H, S], and values as
     [B, K, S, H]: both einsums are then plain row-major batched matmuls over (b, k) (q @ K^T reads
@@ -283,7 +291,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     if cache is None:
         def attend_fresh(window):
             def attend(q, k, v):
-                return attention(q, k, v, positions_bt, new_pos_bt, window, cfg), None
+                return _attention_recomputed(q, k, v, positions_bt, new_pos_bt, window, cfg), None
             return attend
 
         def scan_body(h, xs):
