@@ -105,9 +105,9 @@ def reset_reference(state: TrainState, reset_optimizer: bool = True) -> TrainSta
 # ----------------------------------------------------------------------------- scoring helpers
 
 
-def _state_values(cfg, value_params, tokens_bt, attn_mask_bt, remat=False):
+def _state_values(cfg, value_params, tokens_bt, attn_mask_bt, remat=False, unroll=False):
     """V(state before token t): the value head on the hidden state at t - 1 (column 0 is 0)."""
-    v_bt = values(cfg, value_params, tokens_bt, attn_mask_bt, remat=remat)
+    v_bt = values(cfg, value_params, tokens_bt, attn_mask_bt, remat=remat, unroll=unroll)
     return jnp.concatenate([jnp.zeros_like(v_bt[:, :1]), v_bt[:, :-1]], axis=1)
 
 
@@ -129,7 +129,8 @@ def _loss(trainable, rows, den, cfg: ModelConfig, algo: AlgorithmConfig):
     params, value_params = trainable
     mode, norm = algo.aggregation, algo.norm_length
     m = rows["mask"]
-    logp, ent = token_logprobs(cfg, params, rows["tokens"], rows["attn"], with_entropy=True, remat=algo.remat)
+    logp, ent = token_logprobs(cfg, params, rows["tokens"], rows["attn"], with_entropy=True, remat=algo.remat,
+                               unroll=algo.unroll_layers)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
         logp, rows["old_logp"], rows["adv"], m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
         dual_clip=algo.dual_clip)
@@ -162,7 +163,7 @@ def _loss(trainable, rows, den, cfg: ModelConfig, algo: AlgorithmConfig):
             total = total + algo.kl_coef * num_kl / den
             pairs["loss/kl"] = (sg(num_kl), den_pg)
     if algo.uses_values:
-        v_bt = _state_values(cfg, value_params, rows["tokens"], rows["attn"], algo.remat)
+        v_bt = _state_values(cfg, value_params, rows["tokens"], rows["attn"], algo.remat, algo.unroll_layers)
         vf_bt = value_loss(v_bt, rows["old_values"], rows["returns"], algo.value_clip)
         num_vf, _ = agg(vf_bt)
         total = total + algo.value_coef * num_vf / den

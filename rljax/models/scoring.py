@@ -34,15 +34,15 @@ def logprobs_from_logits(logits_btv, targets_bt, temperature: float = 1.0, with_
 
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_size: int | None = None,
-                   remat: bool = False):
+                   remat: bool = False, unroll: bool = False):
     """Log-prob of each token given its prefix, aligned with `tokens_bt`.
 
     Returns (logp_bt, entropy_bt or None), both [B, T] f32. Column t scores tokens[:, t] under the
     distribution predicted at t - 1; column 0 has no prefix and is 0. `chunk_size` computes the
     vocabulary projection in time chunks (with rematerialisation) so a large vocabulary never
-    holds a full [B, T, V] array.
+    holds a full [B, T, V] array. `remat` and `unroll` go to `hidden_states`.
     """
-    h_btd, _ = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat)
+    h_btd, _ = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll)
     h_btd = h_btd[:, :-1]
     targets_bt = tokens_bt[:, 1:]
 
@@ -85,8 +85,9 @@ def init_value_params(cfg: ModelConfig, policy_params: Params, key: jax.Array, s
 
 
 def values(cfg: ModelConfig, value_params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
-           remat: bool = False):
+           remat: bool = False, unroll: bool = False):
     """Per-token values V(s_t) [B, T] f32: a linear head on the final hidden state at t."""
-    h_btd, _ = hidden_states(cfg, value_params, tokens_bt, positions_bt, attn_mask_bt, remat=remat)
+    h_btd, _ = hidden_states(cfg, value_params, tokens_bt, positions_bt, attn_mask_bt, remat=remat,
+                             unroll=unroll)
     v = jnp.einsum("btd,d->bt", h_btd.astype(jnp.float32), value_params["value_head"].astype(jnp.float32))
     return v + value_params["value_bias"].astype(jnp.float32)

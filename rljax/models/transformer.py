@@ -271,8 +271,14 @@ def default_positions(attn_mask_bt):
 
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
-                  cache: Cache | None = None, *, remat: bool = False):
-    """Final-normed hidden states [B, T, D] and the updated cache (None without one)."""
+                  cache: Cache | None = None, *, remat: bool = False, unroll: bool = False):
+    """Final-normed hidden states [B, T, D] and the updated cache (None without one).
+
+    Without a cache the layers run as one `lax.scan` (compiles once for any depth); `unroll=True`
+    unrolls it, which makes training about 7% faster on XLA:CPU (no stacked per-layer residuals
+    to zero-fill and copy in and out of the loop) at the price of compile time growing with depth.
+    `remat=True` recomputes each layer's activations in the backward pass.
+    """
     b, t = tokens_bt.shape
     dt = cfg.compute_jnp_dtype
     if attn_mask_bt is None:
@@ -303,7 +309,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         layers = params["layers"]
         if isinstance(layers, (list, tuple)):
             layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
-        h, _ = jax.lax.scan(body, h, (layers, jnp.asarray(windows, jnp.int32)))
+        h, _ = jax.lax.scan(body, h, (layers, jnp.asarray(windows, jnp.int32)), unroll=bool(unroll))
         return rms_norm(h, params["final_norm"], cfg), None
 
     # Cached path: write this chunk's keys at slots [index, index + T), attend over all slots.
@@ -335,11 +341,12 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
-            cache: Cache | None = None, *, remat: bool = False):
+            cache: Cache | None = None, *, remat: bool = False, unroll: bool = False):
     """Pure forward pass: (params, tokens, positions, mask, cache) -> (logits_btv f32, new cache).
 
     `attn_mask_bt` marks real tokens (False for padding); `positions_bt` defaults to
     cumsum(mask) - 1. With a cache the tokens are appended at `cache['index']`.
     """
-    h, new_cache = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, cache, remat=remat)
+    h, new_cache = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, cache, remat=remat,
+                                 unroll=unroll)
     return logits_from_hidden(cfg, params, h), new_cache

@@ -56,6 +56,9 @@ class AlgorithmConfig:
     `num_microbatches` for gradient accumulation. `recompute_old_logp` rescores the batch with the
     current params before updating and treats the batch's `old_logp_bt` as the behaviour policy
     for the `off_policy` correction ('none', 'tis', 'mis' at `off_policy_level` token|sequence).
+    Compilation: `remat` recomputes layer activations in the backward pass (less memory);
+    `unroll_layers` unrolls the layer scan of the trained forward (about 7% faster on CPU, longer
+    compiles; see `rljax.models.hidden_states`).
     """
 
     algorithm: str = "grpo"
@@ -87,6 +90,7 @@ class AlgorithmConfig:
     num_minibatches: int = 1
     num_microbatches: int = 1
     remat: bool = False
+    unroll_layers: bool = False
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:
