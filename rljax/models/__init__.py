@@ -4,6 +4,7 @@ from rljax.models.config import ModelConfig, from_hf_dict, preset, to_hf_dict
 from rljax.models.hf_io import load_hf, read_hf_config, save_hf
 from rljax.models.scoring import init_value_params, logprobs_from_logits, token_logprobs, values
 from rljax.models.transformer import (
+    CACHE_SLOT_AXIS,
     default_positions,
     forward,
     hidden_states,
@@ -15,6 +16,7 @@ from rljax.models.transformer import (
 
 __all__ = [
     "ModelConfig", "preset", "from_hf_dict", "to_hf_dict", "load_hf", "save_hf", "read_hf_config",
-    "forward", "hidden_states", "logits_from_hidden", "init_params", "init_cache", "unstack_layers",
+    "forward", "hidden_states", "logits_from_hidden", "init_params", "init_cache", "CACHE_SLOT_AXIS",
+    "unstack_layers",
     "default_positions", "token_logprobs", "logprobs_from_logits", "init_value_params", "values",
 ]

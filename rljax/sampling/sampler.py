@@ -31,9 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.errors import ConfigError, DataError
-from rljax.models import ModelConfig, default_positions, forward, hidden_states, init_cache
+from rljax.models import CACHE_SLOT_AXIS, ModelConfig, default_positions, forward, hidden_states, init_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, unstack_layers
-from rljax.models.transformer import CACHE_SLOT_AXIS
 from rljax.sampling.filters import Filters, make_filters, sample_logits
 from rljax.tokenizers.batching import bucket_length as pad_bucket_length
 

@@ -68,11 +68,6 @@ def build_layouts(section: MeshSection):
     return trainer_layout(mesh), sampler_layout(sampler_mesh)
 
 
-def build_layout(section: MeshSection):
-    """The trainer layout over the configured mesh, or None on one device (nothing to shard)."""
-    return build_layouts(section)[0]
-
-
 def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Example, ...], int]:
     """(train, held-out eval, skipped rows). Eval questions never appear in train."""
     if section.source == "reasoning_gym":
