@@ -1,11 +1,26 @@
-"""Shared test setup: 8 simulated CPU devices, f32 matmuls at full precision, tests/ importable."""
+"""Shared test setup: 8 simulated CPU devices, f32 matmuls at full precision, tests/ importable.
 
+Compiled programs go to a persistent XLA cache shared by this session's processes (the CLI and
+notebook subprocesses inherit the environment): many tests build the same tiny programs again
+(a new `jax.jit` per `train` call, a new process per CLI run), and a cache hit replaces seconds of
+compilation by a file read. The same compiled code runs either way, so results are unchanged.
+Programs with host callbacks (the fused RL iteration) are never cached by JAX.
+"""
+
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="rljax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402

@@ -38,14 +38,18 @@ def _metrics(run_dir: Path):
 
 
 def test_short_run_raises_mean_reward(tmp_path):
-    """A seeded ~30 s GRPO run on 1-digit sums ends with a higher mean reward than it started with."""
+    """A seeded 100-iteration GRPO run on 1-digit sums ends with a clearly higher mean reward.
+
+    Over seeds 0-5 the gain (last 5 iterations minus first 5) was 0.15-0.19, so the 0.05 bar leaves
+    room for the float rounding of other CPUs (an AVX2 machine once ended a 30-iteration run 0.001
+    short of it)."""
     cfg = load_config(None, TINY + [
         "data.task_kwargs={min_terms=2, max_terms=2, min_digits=1, max_digits=1}", "data.size=400",
-        "data.eval_size=40", "eval.size=40", "rl.iterations=30", "optim.learning_rate=1e-3", "eval.every=100",
+        "data.eval_size=40", "eval.size=40", "rl.iterations=100", "optim.learning_rate=1e-3", "eval.every=100",
         "checkpoint.every=100", "mesh.devices=1", f"output_dir='{tmp_path}'"])
     result = train(cfg, log=lambda *_: None)
     rewards = [r["reward/mean"] for r in result.history if "reward/mean" in r]
-    assert len(rewards) == 30
+    assert len(rewards) == 100
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert last > first + 0.05, (first, last)
     assert (tmp_path / "curves.png").exists() and (tmp_path / "metrics.jsonl").exists()
