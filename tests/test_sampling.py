@@ -98,7 +98,7 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
     model = make_checkpoint(family, tmp_path)
     cfg, params = M.load_hf(tmp_path)
     tokens, mask = _ragged_prompts(np.random.default_rng(0), [6, 9, 3], 9, cfg.vocab_size)
-    new = 12
+    new = 40  # three decode phases (cache widths 16, 32, 64)
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         ref = model.generate(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
@@ -113,8 +113,9 @@ def test_policy_logprobs_equal_trainer_scoring(tiny):
     cfg, params = tiny
     n = 3
     tokens, mask = _ragged_prompts(np.random.default_rng(1), [5, 8, 2], 8, cfg.vocab_size)
-    res = generate(cfg, params, tokens, mask, key=jax.random.key(4), max_new_tokens=14, num_samples=n,
+    res = generate(cfg, params, tokens, mask, key=jax.random.key(4), max_new_tokens=40, num_samples=n,
                    temperature=0.9, top_k=40, top_p=0.95, eos_ids=(3, 7))
+    assert (np.asarray(res.lengths) > 32).any()  # some rows reach the third decode phase
     full = np.concatenate([np.repeat(tokens, n, 0), np.asarray(res.tokens)], 1)
     full_mask = np.concatenate([np.repeat(mask, n, 0), np.asarray(res.mask)], 1)
     logp, _ = M.token_logprobs(cfg, params, jnp.asarray(full), jnp.asarray(full_mask))
@@ -125,6 +126,25 @@ def test_policy_logprobs_equal_trainer_scoring(tiny):
     assert (np.asarray(res.logprobs)[~sel] == 0).all() and (np.asarray(res.tokens)[~sel] == 0).all()
     # Filtering only removes mass: the sampling distribution is at least as likely on its draws.
     assert (np.asarray(res.sampling_logprobs)[sel] >= np.asarray(res.logprobs)[sel] / 0.9 - 1e-3).mean() > 0.5
+
+
+def test_phased_decode_equals_one_full_width_loop(tiny):
+    """Decoding in phases (cache widths 16, 32, 64 new slots) gives the tokens and log-probs of one
+    loop over a cache allocated at full width from the start."""
+    from rljax.sampling import sampler as S
+    assert S.phase_widths(64) == (16, 32, 64) and S.phase_widths(64, 20) == (16, 32)
+    assert S.phase_widths(16) == (16,) and S.phase_widths(512, 100) == (16, 32, 64, 128)
+    cfg, params = tiny
+    tokens, mask = _ragged_prompts(np.random.default_rng(3), [5, 8], 8, cfg.vocab_size)
+    controls = (1.0, 0, 1.0, 0.0, False, (), (), 0)
+    phased = generate(cfg, params, tokens, mask, key=jax.random.key(6), max_new_tokens=50, num_samples=2)
+    state, spec = S._start(cfg, params, tokens, mask, jax.random.key(6), 50, 2, controls)
+    state = S._widen_jit(state, 64 - S.phase_widths(64)[0])
+    full = S._result_jit(S._decode_jit(cfg, params, state, np.int32(50), spec=spec), width=50)
+    np.testing.assert_array_equal(np.asarray(phased.tokens), np.asarray(full.tokens))
+    # Softmax sums over a different number of (empty, zero-weight) slots: rounding-level differences.
+    np.testing.assert_allclose(np.asarray(phased.logprobs), np.asarray(full.logprobs), atol=1e-5, rtol=0)
+    assert int(np.asarray(phased.lengths).min()) == 50
 
 
 def test_generate_first_token_frequencies_match_model(tiny):
