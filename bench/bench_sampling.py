@@ -1,10 +1,12 @@
 """Sampling throughput: rljax.sampling.generate vs transformers generate on the same weights.
 
 New tokens/s at batch 64, prompt 32, 64 new tokens (no early stop: no EOS), plain sampling at
-temperature 1. Also the fraction of the f32 compute roofline reached by decode, with the matmul
-peak measured here. Writes bench/results/sampling.json.
+temperature 1, on qwen2-tiny and qwen2-small; then an RL-length case, qwen2-tiny with 512 new
+tokens, where attention over the growing cache dominates. Also the fraction of the f32 compute
+roofline reached by decode, with the matmul peak measured here. Writes bench/results/sampling.json.
 
-    .venv/bin/python bench/bench_sampling.py [--configs qwen2-tiny qwen2-small] [--repeats 3]
+    .venv/bin/python bench/bench_sampling.py [--configs qwen2-tiny qwen2-small] [--long qwen2-tiny]
+                                             [--repeats 3]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from rljax.sampling import generate
 from rljax.sampling import sampler as generate_mod
 from peak import matmul_peak_gflops  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-BATCH, PROMPT, NEW = 64, 32, 64
+BATCH, PROMPT, NEW, LONG_NEW = 64, 32, 64, 512
 
 
 def decode_flops_per_token(cfg, slots: int) -> float:
@@ -40,6 +42,15 @@ def decode_flops_per_token(cfg, slots: int) -> float:
     return 2.0 * (layers * (per_layer + attention) + v * d)
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (results differ a lot between the machines this runs on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def time_it(fn, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
@@ -49,24 +60,24 @@ def time_it(fn, repeats: int) -> list[float]:
     return out
 
 
-def bench_rljax(cfg, params, prompts, repeats):
+def bench_rljax(cfg, params, prompts, repeats, new):
     key = jax.random.key(0)
 
     def run():
-        r = generate(cfg, params, prompts, key=key, max_new_tokens=NEW, temperature=1.0)
+        r = generate(cfg, params, prompts, key=key, max_new_tokens=new, temperature=1.0)
         r.tokens.block_until_ready()
-        assert int(r.lengths.min()) == NEW
+        assert int(r.lengths.min()) == new
         return r
 
     run()  # compile
     total = time_it(run, repeats)
     # Prefill alone, to isolate decode for the roofline.
-    tokens, mask, spec, scalars = generate_mod._prepare(cfg, prompts, None, NEW, 1, 1.0, 0, 1.0, 0.0, False,
+    tokens, mask, spec, scalars = generate_mod._prepare(cfg, prompts, None, new, 1, 1.0, 0, 1.0, 0.0, False,
                                                         (), (), 0)
 
     def prefill():
-        s = generate_mod._prefill_jit(cfg, params, tokens, mask, key, np.int32(NEW), scalars, spec=spec,
-                                      num_samples=1, new_bucket=generate_mod.bucket_length(NEW))
+        s = generate_mod._prefill_jit(cfg, params, tokens, mask, key, np.int32(new), scalars, spec=spec,
+                                      num_samples=1, new_bucket=generate_mod.bucket_length(new))
         jax.block_until_ready(s)
 
     prefill()
@@ -74,19 +85,20 @@ def bench_rljax(cfg, params, prompts, repeats):
     return total, pre
 
 
-def bench_transformers(cfg, params, prompts, repeats):
+def bench_transformers(cfg, params, prompts, repeats, new):
     """transformers in a child process of this script (same weights, saved as a HF directory):
     torch and XLA thread pools in one process slow each other down by over 10x here."""
     with tempfile.TemporaryDirectory() as d:
         save_hf(cfg, params, d)
         np.save(os.path.join(d, "prompts.npy"), np.asarray(prompts))
-        out = subprocess.run([sys.executable, __file__, "--transformers-child", d, "--repeats", str(repeats)],
+        out = subprocess.run([sys.executable, __file__, "--transformers-child", d, "--repeats", str(repeats),
+                              "--new", str(new)],
                              check=True, capture_output=True, text=True).stdout
     child = json.loads(out.strip().splitlines()[-1])
     return child["runs"], child["transformers"], child["torch"]
 
 
-def transformers_child(d, repeats):
+def transformers_child(d, repeats, new):
     import torch
     import transformers
 
@@ -97,9 +109,9 @@ def transformers_child(d, repeats):
     def run():
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, use_cache=True,
-                                 max_new_tokens=NEW, min_new_tokens=NEW, temperature=1.0, top_k=0,
+                                 max_new_tokens=new, min_new_tokens=new, temperature=1.0, top_k=0,
                                  top_p=1.0, eos_token_id=None, pad_token_id=0)
-        assert out.shape[1] == PROMPT + NEW
+        assert out.shape[1] == PROMPT + new
 
     run()
     print(json.dumps(dict(runs=time_it(run, repeats), transformers=transformers.__version__,
@@ -109,27 +121,29 @@ def transformers_child(d, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["qwen2-tiny", "qwen2-small"])
+    ap.add_argument("--long", nargs="*", default=["qwen2-tiny"], help=f"configs also run with {LONG_NEW} new tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--transformers-child", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--new", type=int, default=NEW, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sampling.json"))
     args = ap.parse_args(argv)
     if args.transformers_child:
-        return transformers_child(args.transformers_child, args.repeats)
+        return transformers_child(args.transformers_child, args.repeats, args.new)
     peak = matmul_peak_gflops()
     print(f"f32 matmul peak: {peak:.1f} GFLOP/s")
     results = []
-    for name in args.configs:
+    for name, new in [(c, NEW) for c in args.configs] + [(c, LONG_NEW) for c in args.long]:
         cfg = preset(name)
         params = init_params(cfg, jax.random.key(0))
         prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
-        total, pre = bench_rljax(cfg, params, prompts, args.repeats)
-        hf, tf_version, torch_version = bench_transformers(cfg, params, prompts, args.repeats)
-        new_tokens = BATCH * NEW
+        total, pre = bench_rljax(cfg, params, prompts, args.repeats, new)
+        hf, tf_version, torch_version = bench_transformers(cfg, params, prompts, args.repeats, new)
+        new_tokens = BATCH * new
         ours, theirs = new_tokens / statistics.median(total), new_tokens / statistics.median(hf)
         decode_s = statistics.median(total) - statistics.median(pre)
-        decode_tps = BATCH * (NEW - 1) / decode_s  # token 0 comes from prefill
-        flops = decode_flops_per_token(cfg, slots=PROMPT + NEW // 2)
-        row = dict(config=name, batch=BATCH, prompt=PROMPT, new_tokens=NEW,
+        decode_tps = BATCH * (new - 1) / decode_s  # token 0 comes from prefill
+        flops = decode_flops_per_token(cfg, slots=PROMPT + new // 2)
+        row = dict(config=name, batch=BATCH, prompt=PROMPT, new_tokens=new,
                    rljax_new_tok_s=round(ours, 1), transformers_new_tok_s=round(theirs, 1),
                    speedup=round(ours / theirs, 2), rljax_runs_s=[round(x, 4) for x in total],
                    transformers_runs_s=[round(x, 4) for x in hf], prefill_s=round(statistics.median(pre), 4),
@@ -140,6 +154,7 @@ def main(argv=None):
     record = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                     cpu_model=_cpu_model(),
                      cpus=len(os.sched_getaffinity(0)), jax_backend=jax.default_backend(), devices=str(jax.devices()[0])),
         versions=dict(python=sys.version.split()[0], jax=jax.__version__, transformers=tf_version,
                       torch=torch_version),

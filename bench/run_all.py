@@ -46,16 +46,18 @@ def build_table() -> str:
              "versions of its own run. Re-run with `.venv/bin/python bench/run_all.py`.", ""]
     s = _load("sampling")
     if s:
-        lines += ["## Sampler vs transformers `generate` (batch 64, prompt 32, 64 new tokens, no early stop)", "",
-                  f"{s['date']}, {s['machine'].get('cpus')} CPUs, jax {s['versions']['jax']}, torch "
+        lines += ["## Sampler vs transformers `generate` (batch 64, prompt 32, no early stop)", "",
+                  f"{s['date']}, {s['machine'].get('cpus')} CPUs ({s['machine'].get('cpu_model') or 'model not recorded'}), "
+                  f"jax {s['versions']['jax']}, torch "
                   f"{s['versions'].get('torch')}, transformers {s['versions'].get('transformers')}; measured f32 "
                   f"matmul peak {s['matmul_peak_gflops']} GFLOP/s.", "",
-                  _row("config", "rljax new tok/s", "transformers new tok/s", "ratio", "decode share of f32 peak"),
-                  _row("---", "---", "---", "---", "---")]
+                  _row("config", "new tokens", "rljax new tok/s", "transformers new tok/s", "ratio",
+                       "decode share of f32 peak"),
+                  _row("---", "---", "---", "---", "---", "---")]
         for r in s["results"]:
             frac = r.get("decode_roofline_fraction", "")
-            lines.append(_row(r["config"], r["rljax_new_tok_s"], r["transformers_new_tok_s"], f"{r['speedup']}x",
-                              frac))
+            lines.append(_row(r["config"], r.get("new_tokens", 64), r["rljax_new_tok_s"], r["transformers_new_tok_s"],
+                              f"{r['speedup']}x", frac))
         lines.append("")
     u = _load("update")
     if u:

@@ -12,11 +12,12 @@ from rljax.sampling.sampler import (
     SampleResult,
     bucket_length,
     generate,
+    phase_widths,
     stream,
 )
 from rljax.sampling.traced import SampleControls, sample
 
 __all__ = [
-    "generate", "stream", "SampleResult", "bucket_length", "FINISH_LENGTH", "FINISH_EOS", "FINISH_STOP",
+    "generate", "stream", "SampleResult", "bucket_length", "phase_widths", "FINISH_LENGTH", "FINISH_EOS", "FINISH_STOP",
     "sample_logits", "filtered_logprobs", "make_filters", "Filters", "sample", "SampleControls",
 ]
