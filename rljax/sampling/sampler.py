@@ -17,13 +17,13 @@ are sized `bucket_length(max_new_tokens)`, with `bucket_length(n)` = the next po
 16). `max_new_tokens` itself is a traced scalar, so a run compiles once per (batch, num_samples,
 prompt bucket, new-token bucket, controls switched on), never per exact length.
 
-Phases. Decode attention reads every cache slot every step, and at these sizes that read (not the
-matmuls) is what grows with length: on a 2-core CPU one step's attention over 96 slots cost about
-twice its cost over 48. So the cache starts with room for 16 new tokens and doubles (16, 32, 64, ...
+Phases. Decode attention reads every cache slot every step, and that read (not the matmuls) is
+what grows with length: on a 2-core CPU, attention alone at qwen2-small's shapes took about twice
+as long over 96 slots as over 48. So the cache starts with room for 16 new tokens and doubles (16, 32, 64, ...
 up to the new-token bucket): decode runs as one `while_loop` per width, each attending only over
 the slots that can be filled by then, and the cache is padded between phases. That is at most
 log2(bucket / 16) + 1 compiled loops per bucket, and the average step reads about 3/4 of the slots
-a full-width cache would (see `phase_widths`).
+a full-width cache would (see `phase_widths`): 512-token generation on qwen2-tiny ran 1.29x faster.
 
 Rows are prompt-major: row i * n + j is sample j of prompt i.
 """
