@@ -5,8 +5,12 @@ temperature 1, on qwen2-tiny and qwen2-small; then an RL-length case, qwen2-tiny
 tokens, where attention over the growing cache dominates. Also the fraction of the f32 compute
 roofline reached by decode, with the matmul peak measured here. Writes bench/results/sampling.json.
 
+On a CPU with more than one core, each case also runs data-parallel in a child process: one XLA
+host device per core (`--xla_force_host_platform_device_count`), params replicated on a data mesh,
+so `generate` splits the rows and each core decodes its own (the `rljax_dp_*` fields).
+
     .venv/bin/python bench/bench_sampling.py [--configs qwen2-tiny qwen2-small] [--long qwen2-tiny]
-                                             [--repeats 3]
+                                             [--repeats 3] [--host-devices N]
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def time_it(fn, repeats: int) -> list[float]:
     return out
 
 
-def bench_rljax(cfg, params, prompts, repeats, new):
+def bench_rljax(cfg, params, prompts, repeats, new, prefill=True):
     key = jax.random.key(0)
 
     def run():
@@ -71,6 +75,8 @@ def bench_rljax(cfg, params, prompts, repeats, new):
 
     run()  # compile
     total = time_it(run, repeats)
+    if not prefill:
+        return total, None
     # Prefill alone, to isolate decode for the roofline.
     tokens, mask, spec, scalars = generate_mod._prepare(cfg, prompts, None, new, 1, 1.0, 0, 1.0, 0.0, False,
                                                         (), (), 0)
@@ -83,6 +89,31 @@ def bench_rljax(cfg, params, prompts, repeats, new):
     prefill()
     pre = time_it(prefill, repeats)
     return total, pre
+
+
+def bench_rljax_data_parallel(name, repeats, new, devices):
+    """`generate` over `devices` XLA host devices in a child process (the device count is fixed
+    when jax starts); the same params and prompts as the one-device run."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                      f" --xla_force_host_platform_device_count={devices}").strip())
+    out = subprocess.run([sys.executable, __file__, "--rljax-child", name, "--repeats", str(repeats),
+                          "--new", str(new), "--host-devices", str(devices)],
+                         check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])["runs"]
+
+
+def rljax_child(name, repeats, new, devices):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from rljax.sharding import MeshConfig, make_mesh
+
+    cfg = preset(name)
+    assert jax.device_count() == devices, jax.devices()
+    mesh = make_mesh(MeshConfig(data=devices, fsdp=1, tensor=1))
+    params = jax.device_put(init_params(cfg, jax.random.key(0)), NamedSharding(mesh, PartitionSpec()))
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+    total, _ = bench_rljax(cfg, params, prompts, repeats, new, prefill=False)
+    print(json.dumps(dict(runs=total)))
 
 
 def bench_transformers(cfg, params, prompts, repeats, new):
@@ -123,12 +154,18 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+", default=["qwen2-tiny", "qwen2-small"])
     ap.add_argument("--long", nargs="*", default=["qwen2-tiny"], help=f"configs also run with {LONG_NEW} new tokens")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--host-devices", type=int, default=len(os.sched_getaffinity(0)),
+                    help="XLA host devices of the data-parallel run (default: the CPUs; < 2 skips it)")
     ap.add_argument("--transformers-child", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--rljax-child", metavar="CONFIG", help=argparse.SUPPRESS)
     ap.add_argument("--new", type=int, default=NEW, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sampling.json"))
     args = ap.parse_args(argv)
     if args.transformers_child:
         return transformers_child(args.transformers_child, args.repeats, args.new)
+    if args.rljax_child:
+        return rljax_child(args.rljax_child, args.repeats, args.new, args.host_devices)
+    data_parallel = args.host_devices >= 2 and jax.default_backend() == "cpu"
     peak = matmul_peak_gflops()
     print(f"f32 matmul peak: {peak:.1f} GFLOP/s")
     results = []
@@ -149,6 +186,11 @@ def main(argv=None):
                    transformers_runs_s=[round(x, 4) for x in hf], prefill_s=round(statistics.median(pre), 4),
                    decode_tok_s=round(decode_tps, 1), decode_gflops=round(decode_tps * flops / 1e9, 1),
                    decode_roofline_fraction=round(decode_tps * flops / 1e9 / peak, 3))
+        if data_parallel:
+            dp = bench_rljax_data_parallel(name, args.repeats, new, args.host_devices)
+            dp_tps = new_tokens / statistics.median(dp)
+            row.update(rljax_dp_host_devices=args.host_devices, rljax_dp_new_tok_s=round(dp_tps, 1),
+                       rljax_dp_speedup=round(dp_tps / theirs, 2), rljax_dp_runs_s=[round(x, 4) for x in dp])
         print(json.dumps(row))
         results.append(row)
     record = dict(

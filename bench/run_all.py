@@ -52,13 +52,16 @@ def build_table() -> str:
                   f"{s['versions'].get('torch')}, transformers {s['versions'].get('transformers')}; measured f32 "
                   f"matmul peak {s['matmul_peak_gflops']} GFLOP/s.", "",
                   _row("config", "new tokens", "rljax new tok/s", "transformers new tok/s", "ratio",
-                       "decode share of f32 peak"),
-                  _row("---", "---", "---", "---", "---", "---")]
+                       "decode share of f32 peak", "rljax data-parallel new tok/s (ratio)"),
+                  _row("---", "---", "---", "---", "---", "---", "---")]
         for r in s["results"]:
             frac = r.get("decode_roofline_fraction", "")
+            dp = (f"{r['rljax_dp_new_tok_s']} ({r['rljax_dp_speedup']}x, {r['rljax_dp_host_devices']} host devices)"
+                  if "rljax_dp_new_tok_s" in r else "not run")
             lines.append(_row(r["config"], r.get("new_tokens", 64), r["rljax_new_tok_s"], r["transformers_new_tok_s"],
-                              f"{r['speedup']}x", frac))
-        lines.append("")
+                              f"{r['speedup']}x", frac, dp))
+        lines += ["", "Data-parallel: one XLA host device per core, params replicated on a data mesh, each "
+                  "device decoding its own rows (`generate` on a mesh).", ""]
     u = _load("update")
     if u:
         lines += ["## Update step vs a PyTorch step (B=32, T=128, one epoch, one mini-batch)", "",

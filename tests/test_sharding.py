@@ -304,7 +304,9 @@ def test_sharded_update_step_equals_one_device(layout_name, update_reference):
 @pytest.mark.parametrize("layout_name", list(w.LAYOUTS))
 def test_sampler_on_sharded_params_equals_one_device(layout_name):
     """rljax.sampling.generate on params in the sampler layout (tensor-parallel heads, no FSDP) draws
-    the same tokens with the same log-probs (<= 1e-5) as on one device (temperature 1, 2 samples)."""
+    the same tokens with the same log-probs (<= 1e-5) as on one device (temperature 1, 2 samples).
+    Where the mesh's batch axes (data x fsdp: 4 devices) divide the 4 prompts, the rows are split
+    over them; fsdp8's 8 devices do not divide them, so its rows stay replicated."""
     from rljax.sampling import generate
     cfg = preset("qwen2-test")
     params = init_params(cfg, jax.random.key(2))
@@ -318,3 +320,30 @@ def test_sampler_on_sharded_params_equals_one_device(layout_name):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
     _close((got.logprobs, got.sampling_logprobs), (ref.logprobs, ref.sampling_logprobs))
+    rows_per_device = {shard.data.shape[0] for shard in got.tokens.addressable_shards}
+    assert rows_per_device == ({8} if layout_name == "fsdp8" else {2})
+
+
+def test_generate_splits_rows_over_a_data_mesh():
+    """Params replicated over an 8-device data mesh: each device samples its own prompt's rows
+    (prompt i's 3 samples on device i), with the tokens and log-probs of one device. `stream`
+    splits the same way and yields the same tokens."""
+    from jax.sharding import NamedSharding
+
+    from rljax.sampling import generate, rows_sharding, stream
+    cfg = preset("qwen2-test")
+    params = init_params(cfg, jax.random.key(3))
+    prompts = np.random.default_rng(2).integers(1, cfg.vocab_size, (8, 6)).astype(np.int32)
+    kwargs = dict(key=jax.random.key(7), max_new_tokens=20, num_samples=3, temperature=0.8, top_k=20)
+    ref = generate(cfg, params, prompts, **kwargs)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=8, fsdp=1, tensor=1))
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+    assert rows_sharding(replicated, 8).spec == P(("data", "fsdp")) and rows_sharding(params, 8) is None
+    assert rows_sharding(replicated, 6) is None  # 8 devices do not divide 6 prompts
+    got = generate(cfg, replicated, prompts, **kwargs)
+    assert [s.data.shape[0] for s in got.tokens.addressable_shards] == [3] * 8
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    _close((got.logprobs, got.sampling_logprobs), (ref.logprobs, ref.sampling_logprobs))
+    streamed = np.concatenate([tokens for tokens, _ in stream(cfg, replicated, prompts, chunk=7, **kwargs)],
+                              axis=1)
+    np.testing.assert_array_equal(streamed, np.asarray(ref.tokens))
