@@ -19,6 +19,7 @@ from rljax.sampling.sampler import (
 from rljax.sampling.traced import SampleControls, sample
 
 __all__ = [
-    "generate", "stream", "SampleResult", "bucket_length", "phase_widths", "rows_sharding", "FINISH_LENGTH", "FINISH_EOS", "FINISH_STOP",
+    "generate", "stream", "SampleResult", "bucket_length", "phase_widths", "rows_sharding",
+    "FINISH_LENGTH", "FINISH_EOS", "FINISH_STOP",
     "sample_logits", "filtered_logprobs", "make_filters", "Filters", "sample", "SampleControls",
 ]

@@ -43,7 +43,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
