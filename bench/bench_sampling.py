@@ -55,6 +55,11 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
+def bench_prompts(cfg) -> np.ndarray:
+    """The benchmark's [BATCH, PROMPT] prompts: the same in every process of a run."""
+    return np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+
+
 def time_it(fn, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
@@ -111,7 +116,7 @@ def rljax_child(name, repeats, new, devices):
     assert jax.device_count() == devices, jax.devices()
     mesh = make_mesh(MeshConfig(data=devices, fsdp=1, tensor=1))
     params = jax.device_put(init_params(cfg, jax.random.key(0)), NamedSharding(mesh, PartitionSpec()))
-    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+    prompts = bench_prompts(cfg)
     total, _ = bench_rljax(cfg, params, prompts, repeats, new, prefill=False)
     print(json.dumps(dict(runs=total)))
 
@@ -172,7 +177,7 @@ def main(argv=None):
     for name, new in [(c, NEW) for c in args.configs] + [(c, LONG_NEW) for c in args.long]:
         cfg = preset(name)
         params = init_params(cfg, jax.random.key(0))
-        prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+        prompts = bench_prompts(cfg)
         total, pre = bench_rljax(cfg, params, prompts, args.repeats, new)
         hf, tf_version, torch_version = bench_transformers(cfg, params, prompts, args.repeats, new)
         new_tokens = BATCH * new

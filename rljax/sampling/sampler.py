@@ -280,9 +280,8 @@ def rows_sharding(params, rows: int) -> NamedSharding | None:
     a mesh with Explicit axes, or a batch no batch axis divides."""
     sharding = next((x.sharding for x in jax.tree.leaves(params)
                      if isinstance(getattr(x, "sharding", None), NamedSharding)), None)
-    if sharding is None or sharding.mesh.size == 1 or not sharding.is_fully_addressable:
-        return None
-    if any(t != AxisType.Auto for t in sharding.mesh.axis_types):
+    if (sharding is None or sharding.mesh.size == 1 or not sharding.is_fully_addressable
+            or any(t != AxisType.Auto for t in sharding.mesh.axis_types)):
         return None
     axes = batch_axes(sharding.mesh, rows)
     return None if axes is None else NamedSharding(sharding.mesh, P(axes))
