@@ -75,12 +75,29 @@ def test_kv_cache_decoding_equals_full_forward(family_ckpt):
     step = jax.jit(lambda p, t, pos, m, c: M.forward(cfg, p, t, pos, m, c))
     logits, cache = step(params, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len], cache)
     pieces = [logits]
+    # The sampler's decode step gathers cos and sin from a table built once (`rope_table`).
+    table_step = jax.jit(lambda p, t, pos, m, c, r: M.forward(cfg, p, t, pos, m, c, rope_table=r))
+    table = M.rope_table(cfg, 16)
     for t in range(prompt_len, tokens.shape[1]):
-        logits, cache = step(params, tokens[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1], cache)
+        args = (params, tokens[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1], cache)
+        logits, cache = step(*args)
+        logits_from_table, _ = table_step(*args, table)
+        np.testing.assert_array_equal(np.asarray(logits_from_table), np.asarray(logits))
         pieces.append(logits)
     incremental = np.concatenate([np.asarray(p) for p in pieces], axis=1)
     np.testing.assert_allclose(incremental[mask], np.asarray(full)[mask], atol=1e-5, rtol=0)
     assert int(cache["index"]) == tokens.shape[1]
+
+
+def test_rope_table_rows_equal_computed_angles(family_ckpt):
+    """`rope_table` rows are bitwise the cos and sin `rope_tables` computes (Llama 3 scaling too)."""
+    from rljax.models.transformer import rope_tables
+    cfg = family_ckpt[3]
+    positions_bt = jnp.asarray([[0, 5, 17], [3, 3, 40]], jnp.int32)
+    direct = rope_tables(positions_bt, cfg)
+    gathered = rope_tables(positions_bt, cfg, M.rope_table(cfg, 41))
+    for a, b in zip(direct, gathered):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_export_round_trip_loads_in_transformers(family_ckpt, tmp_path):

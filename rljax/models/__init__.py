@@ -11,12 +11,13 @@ from rljax.models.transformer import (
     init_cache,
     init_params,
     logits_from_hidden,
+    rope_table,
     unstack_layers,
 )
 
 __all__ = [
     "ModelConfig", "preset", "from_hf_dict", "to_hf_dict", "load_hf", "save_hf", "read_hf_config",
     "forward", "hidden_states", "logits_from_hidden", "init_params", "init_cache", "CACHE_SLOT_AXIS",
-    "unstack_layers",
+    "unstack_layers", "rope_table",
     "default_positions", "token_logprobs", "logprobs_from_logits", "init_value_params", "values",
 ]

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from rljax.errors import ConfigError, DataError
 from rljax.models import CACHE_SLOT_AXIS, ModelConfig, default_positions, forward, hidden_states, init_cache
-from rljax.models import logits_from_hidden, logprobs_from_logits, unstack_layers
+from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
 from rljax.sampling.filters import Filters, make_filters, sample_logits
 from rljax.sharding.rules import batch_axes
 from rljax.tokenizers.batching import bucket_length as pad_bucket_length
@@ -202,6 +202,7 @@ def _decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: _Spec)
     """Decodes until `min(limit, max_new)` tokens are drawn or every row has stopped. The caller
     keeps `limit` within the cache: a cache of P + w slots can draw tokens up to index w - 1."""
     layer_params = unstack_layers(params)  # sliced once, outside the loop
+    rope = rope_table(cfg, state.cache["pos"].shape[1])  # positions never reach the slot count
     stop_at = jnp.minimum(limit, state.max_new)
 
     def cond(s: DecodeState):
@@ -210,7 +211,7 @@ def _decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: _Spec)
     def body(s: DecodeState):
         ones_b1 = jnp.ones((s.last_token_b.shape[0], 1), bool)
         logits_b1v, cache = forward(cfg, layer_params, s.last_token_b[:, None], s.next_pos_b[:, None],
-                                    ones_b1, s.cache)
+                                    ones_b1, s.cache, rope_table=rope)
         s = s.replace(cache=cache, next_pos_b=s.next_pos_b + 1)
         return _record(s, logits_b1v[:, 0], spec)
 
