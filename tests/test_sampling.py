@@ -138,7 +138,7 @@ def test_phased_decode_equals_one_full_width_loop(tiny):
     tokens, mask = _ragged_prompts(np.random.default_rng(3), [5, 8], 8, cfg.vocab_size)
     controls = (1.0, 0, 1.0, 0.0, False, (), (), 0)
     phased = generate(cfg, params, tokens, mask, key=jax.random.key(6), max_new_tokens=50, num_samples=2)
-    state, spec = S._start(cfg, params, tokens, mask, jax.random.key(6), 50, 2, controls)
+    state, spec, params = S._start(cfg, params, tokens, mask, jax.random.key(6), 50, 2, controls)
     state = S._widen_jit(state, 64 - S.phase_widths(64)[0])
     full = S._result_jit(S._decode_jit(cfg, params, state, np.int32(50), spec=spec), width=50)
     np.testing.assert_array_equal(np.asarray(phased.tokens), np.asarray(full.tokens))

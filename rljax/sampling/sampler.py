@@ -241,6 +241,7 @@ _prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "spec", "num_samples", 
 _decode_jit = jax.jit(_decode, static_argnames=("cfg", "spec"), donate_argnames=("state",))
 _widen_jit = jax.jit(_widen, static_argnames=("extra",))  # new buffers: nothing to donate
 _result_jit = jax.jit(_result, static_argnames=("width",))
+_unstack_jit = jax.jit(unstack_layers)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -294,9 +295,12 @@ def _start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, max_new_tokens, n
     split = rows_sharding(params, tokens.shape[0])
     if split is not None:  # each device prefills and decodes its own rows
         tokens, mask = jax.device_put((tokens, mask), split)
+    # Per-layer weights, split once per call: each jitted phase would otherwise copy them out of the
+    # stacked arrays again (about 6% of a qwen2-small generate with 64 new tokens).
+    params = _unstack_jit(params)
     state = _prefill_jit(cfg, params, tokens, mask, key, np.int32(max_new_tokens), scalars, spec=spec,
                          num_samples=int(num_samples), new_bucket=bucket_length(max_new_tokens))
-    return state, spec
+    return state, spec, params
 
 
 def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, key: jax.Array,
@@ -310,8 +314,8 @@ def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *,
     `temperature=0` means greedy. Returns a `SampleResult` with B * num_samples rows.
     """
     controls = (temperature, top_k, top_p, min_p, greedy, eos_ids, stop_sequences, pad_id)
-    state, spec = _start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, max_new_tokens, num_samples,
-                         controls)
+    state, spec, params = _start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, max_new_tokens,
+                                 num_samples, controls)
     state = _decode_phases(cfg, params, state, spec=spec, new_bucket=bucket_length(max_new_tokens),
                            max_new_tokens=int(max_new_tokens), decode=_decode_jit, widen=_widen_jit)
     return _result_jit(state, width=int(max_new_tokens))
@@ -331,8 +335,8 @@ def stream(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, k
     if unknown:
         raise ConfigError(f"unknown sampling controls {sorted(unknown)}; known: {', '.join(names)}")
     values = tuple(controls.get(n, d) for n, d in zip(names, defaults))
-    state, spec = _start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, max_new_tokens, num_samples,
-                         values)
+    state, spec, params = _start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, max_new_tokens,
+                                 num_samples, values)
     widths = iter(phase_widths(bucket_length(max_new_tokens), int(max_new_tokens)))
     width = next(widths)
     done = 0

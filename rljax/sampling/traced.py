@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.models import ModelConfig
+from rljax.models import ModelConfig, unstack_layers
 from rljax.sampling.filters import make_filters
 from rljax.sampling.sampler import SampleResult, _decode_phases, _prefill, _result, _Spec, bucket_length
 
@@ -48,6 +48,7 @@ def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, cont
     """Traceable `generate`: B left-padded prompts -> B * n completions (rows prompt-major)."""
     scalars = (np.float32(controls.temperature or 1.0), np.float32(controls.top_p), np.float32(controls.min_p))
     spec = controls.spec()
+    params = unstack_layers(params)  # once, for the prefill and every decode phase
     state = _prefill(cfg, params, prompt_tokens_bt, prompt_mask_bt.astype(bool), key,
                      jnp.int32(controls.max_new_tokens), scalars, spec=spec, num_samples=controls.num_samples,
                      new_bucket=bucket_length(controls.max_new_tokens))
