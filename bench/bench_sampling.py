@@ -2,8 +2,12 @@
 
 New tokens/s at batch 64, prompt 32, 64 new tokens (no early stop: no EOS), plain sampling at
 temperature 1, on qwen2-tiny and qwen2-small; then an RL-length case, qwen2-tiny with 512 new
-tokens, where attention over the growing cache dominates. Also the fraction of the f32 compute
-roofline reached by decode, with the matmul peak measured here. Writes bench/results/sampling.json.
+tokens, where attention over the growing cache dominates. Also the fractions of the f32 compute
+roofline and of the memory roofline (the bytes a step must read, weights and KV cache, over the
+bandwidth measured here: HBM on a GPU) reached by decode, and the matmul floor: the same
+steps running only the weight matmuls (`matmul_floor_tok_s`), an upper bound for any decode on
+this machine's XLA:CPU matmuls, reported as a speedup over transformers (`matmul_floor_speedup`).
+Writes bench/results/sampling.json.
 
 On a CPU with more than one core, each case also runs data-parallel in a child process: one XLA
 host device per core (`--xla_force_host_platform_device_count`), params replicated on a data mesh,
@@ -27,12 +31,13 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rljax.models import init_params, preset, save_hf
 from rljax.sampling import generate
 from rljax.sampling import sampler as generate_mod
-from peak import matmul_peak_gflops  # noqa: E402  (bench/ is on sys.path when run as a script)
+from peak import matmul_peak_gflops, memory_bandwidth_gbs  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 BATCH, PROMPT, NEW, LONG_NEW = 64, 32, 64, 512
 
@@ -44,6 +49,44 @@ def decode_flops_per_token(cfg, slots: int) -> float:
     per_layer = d * (n + 2 * k) * h + n * h * d + 3 * d * f
     attention = 2 * n * h * slots
     return 2.0 * (layers * (per_layer + attention) + v * d)
+
+
+def decode_bytes_per_step(cfg, params, slots: int) -> float:
+    """Bytes one decode step must read at least: every weight once (the embedding rows it gathers
+    are negligible unless the embedding is also the LM head) plus the KV cache over `slots` keys."""
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if not cfg.tie_embeddings:
+        weights -= params["embed"].size * params["embed"].dtype.itemsize
+    kv = cfg.num_layers * BATCH * 2 * cfg.num_kv_heads * cfg.head_dim * slots * jnp.dtype(cfg.compute_jnp_dtype).itemsize
+    return float(weights + kv)
+
+
+def matmul_floor_tok_s(cfg, params, steps: int, repeats: int) -> float:
+    """New tokens/s of a decode that ran only the weight matmuls of each step: the model's own
+    weights, q, k, v, o, gate, up and down per layer and the LM head, at batch BATCH, chained in a
+    `lax.fori_loop` of `steps` steps with no attention, KV cache, norms or sampling. No decode built
+    on XLA:CPU's matmuls can beat it on this machine, so it bounds the speedup any design can reach."""
+    layers, d = params["layers"], cfg.hidden_size
+    flat = lambda name, rows: [np.asarray(w).reshape(rows, -1) for w in np.asarray(layers[name])]
+    per_layer = list(zip(flat("q", d), flat("k", d), flat("v", d), flat("o", cfg.num_heads * cfg.head_dim),
+                         flat("gate", d), flat("up", d), flat("down", cfg.intermediate_size)))
+    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    weights = jax.device_put((per_layer, head))  # per-layer arrays, as the decode loop gets them
+
+    def step(x_bd, w):
+        per_layer, head = w
+        for q, k, v, o, gate, up, down in per_layer:  # unrolled, as in the decode loop
+            kv = jnp.mean(x_bd @ k, axis=1) + jnp.mean(x_bd @ v, axis=1)
+            x_bd = x_bd + 0.5 * ((x_bd @ q) @ o) + kv[:, None]
+            x_bd = x_bd + (jax.nn.silu(x_bd @ gate) * (x_bd @ up)) @ down
+        logits_bv = jax.lax.dot_general(x_bd, head, (((1,), (1,)), ((), ())))
+        return x_bd * 0.5 + 1e-3 * jnp.mean(logits_bv, axis=1, keepdims=True)
+
+    run = jax.jit(lambda x, w: jax.lax.fori_loop(0, steps, lambda i, x: step(x, w), x))
+    x0 = jax.random.normal(jax.random.key(1), (BATCH, d), jnp.float32)
+    run(x0, weights).block_until_ready()
+    runs = time_it(lambda: run(x0, weights).block_until_ready(), repeats)
+    return BATCH * steps / statistics.median(runs)
 
 
 def _cpu_model() -> str:
@@ -172,7 +215,8 @@ def main(argv=None):
         return rljax_child(args.rljax_child, args.repeats, args.new, args.host_devices)
     data_parallel = args.host_devices >= 2 and jax.default_backend() == "cpu"
     peak = matmul_peak_gflops()
-    print(f"f32 matmul peak: {peak:.1f} GFLOP/s")
+    bandwidth = memory_bandwidth_gbs()
+    print(f"f32 matmul peak: {peak:.1f} GFLOP/s; memory bandwidth {bandwidth:.1f} GB/s")
     results = []
     for name, new in [(c, NEW) for c in args.configs] + [(c, LONG_NEW) for c in args.long]:
         cfg = preset(name)
@@ -191,6 +235,17 @@ def main(argv=None):
                    transformers_runs_s=[round(x, 4) for x in hf], prefill_s=round(statistics.median(pre), 4),
                    decode_tok_s=round(decode_tps, 1), decode_gflops=round(decode_tps * flops / 1e9, 1),
                    decode_roofline_fraction=round(decode_tps * flops / 1e9 / peak, 3))
+        step_bytes = decode_bytes_per_step(cfg, params, slots=PROMPT + new // 2)
+        decode_gbs = decode_tps / BATCH * step_bytes / 1e9
+        row.update(decode_gbs=round(decode_gbs, 1), decode_bandwidth_fraction=round(decode_gbs / bandwidth, 3))
+        floor_tps = matmul_floor_tok_s(cfg, params, new, args.repeats)
+        # The fastest whole run any design on these matmuls could make: prefill at the measured peak,
+        # then decode steps that are nothing but their weight matmuls.
+        prefill_flops = BATCH * PROMPT * (decode_flops_per_token(cfg, slots=PROMPT // 2)
+                                          - 2.0 * cfg.vocab_size * cfg.hidden_size)
+        ceiling_s = prefill_flops / (peak * 1e9) + BATCH * (new - 1) / floor_tps
+        row.update(matmul_floor_tok_s=round(floor_tps, 1), matmul_floor_speedup=round(floor_tps / theirs, 2),
+                   ceiling_speedup=round(new_tokens / ceiling_s / theirs, 2))
         if data_parallel:
             dp = bench_rljax_data_parallel(name, args.repeats, new, args.host_devices)
             dp_tps = new_tokens / statistics.median(dp)
@@ -205,7 +260,7 @@ def main(argv=None):
                      cpus=len(os.sched_getaffinity(0)), jax_backend=jax.default_backend(), devices=str(jax.devices()[0])),
         versions=dict(python=sys.version.split()[0], jax=jax.__version__, transformers=tf_version,
                       torch=torch_version),
-        matmul_peak_gflops=round(peak, 1), results=results,
+        matmul_peak_gflops=round(peak, 1), memory_bandwidth_gbs=round(bandwidth, 1), results=results,
         note="shared 2-core CPU with other jobs running: timings are noisy; medians of the repeats")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
