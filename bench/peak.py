@@ -29,7 +29,7 @@ def memory_bandwidth_gbs(nbytes: int | None = None, repeats: int = 5) -> float:
     if nbytes is None:
         nbytes = (256 if jax.default_backend() == "cpu" else 1024) * 2**20
     x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
+    f = jax.jit(jnp.sum)  # XLA:CPU splits it over threads: 27 GB/s here, a 1-thread NumPy sum 15
     f(x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):

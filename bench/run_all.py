@@ -65,11 +65,12 @@ def build_table() -> str:
                               else "not measured"))
         lines += ["", "Data-parallel: one XLA host device per core, params replicated on a data mesh, each "
                   "device decoding its own rows (`generate` on a mesh).", "",
-                  "Ceiling ratio: the fastest run any design built on XLA:CPU's matmuls could make here, over "
-                  "transformers: prefill at the measured f32 peak, then decode steps that are nothing but "
-                  "their weight matmuls (`matmul_floor_tok_s`: the model's own weights chained in a "
-                  "`fori_loop`, no attention, cache or sampling). Where it is below 3x, the sampler issue's "
-                  "3x target is out of reach on this machine.", ""]
+                  "Ceiling ratio: an estimate of the fastest run this sampler's op structure (one unfused "
+                  "matmul per weight, one device) could make here, over transformers: prefill at the "
+                  "measured f32 peak, then decode steps that are nothing but their weight matmuls "
+                  "(`matmul_only_decode_tok_s`: the model's own weights chained in a `fori_loop`, no "
+                  "attention, cache or sampling). It leaves attention out, so it is loose for long "
+                  "completions.", ""]
     u = _load("update")
     if u:
         lines += ["## Update step vs a PyTorch step (B=32, T=128, one epoch, one mini-batch)", "",

@@ -202,7 +202,8 @@ def _decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: _Spec)
     """Decodes until `min(limit, max_new)` tokens are drawn or every row has stopped. The caller
     keeps `limit` within the cache: a cache of P + w slots can draw tokens up to index w - 1."""
     layer_params = unstack_layers(params)  # sliced once, outside the loop
-    rope = rope_table(cfg, state.cache["pos"].shape[1])  # positions never reach the slot count
+    # A token's position counts real tokens only, so it is at most its slot: the table covers all.
+    rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
     stop_at = jnp.minimum(limit, state.max_new)
 
     def cond(s: DecodeState):
@@ -211,7 +212,7 @@ def _decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: _Spec)
     def body(s: DecodeState):
         ones_b1 = jnp.ones((s.last_token_b.shape[0], 1), bool)
         logits_b1v, cache = forward(cfg, layer_params, s.last_token_b[:, None], s.next_pos_b[:, None],
-                                    ones_b1, s.cache, rope_table=rope)
+                                    ones_b1, s.cache, rope_cos_sin=rope_cos_sin)
         s = s.replace(cache=cache, next_pos_b=s.next_pos_b + 1)
         return _record(s, logits_b1v[:, 0], spec)
 
