@@ -19,11 +19,12 @@ prompt bucket, new-token bucket, controls switched on), never per exact length.
 
 Phases. Decode attention reads every cache slot every step, and that read (not the matmuls) is
 what grows with length: on a 2-core CPU, attention alone at qwen2-small's shapes took about twice
-as long over 96 slots as over 48. So the cache starts with room for 16 new tokens and doubles (16, 32, 64, ...
-up to the new-token bucket): decode runs as one `while_loop` per width, each attending only over
-the slots that can be filled by then, and the cache is padded between phases. That is at most
-log2(bucket / 16) + 1 compiled loops per bucket, and the average step reads about 3/4 of the slots
-a full-width cache would (see `phase_widths`): 512-token generation on qwen2-tiny ran 1.29x faster.
+as long over 96 slots as over 48. So the cache starts with room for 16 new tokens and doubles
+(16, 32, 64, ... up to the new-token bucket): decode runs as one `while_loop` per width, each
+attending only over the slots that can be filled by then, and the cache is padded between
+phases. That is at most log2(bucket / 16) + 1 compiled loops per bucket, and the average step
+reads about 3/4 of the slots a full-width cache would (see `phase_widths`): 512-token generation
+on qwen2-tiny ran 1.29x faster.
 
 Rows are prompt-major: row i * n + j is sample j of prompt i.
 
@@ -201,7 +202,7 @@ def _widen(state: DecodeState, extra: int) -> DecodeState:
 def _decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: _Spec) -> DecodeState:
     """Decodes until `min(limit, max_new)` tokens are drawn or every row has stopped. The caller
     keeps `limit` within the cache: a cache of P + w slots can draw tokens up to index w - 1."""
-    layer_params = unstack_layers(params)  # sliced once, outside the loop
+    layer_params = unstack_layers(params)  # a no-op when the caller split them (generate, sample)
     # A token's position counts real tokens only, so it is at most its slot: the table covers all.
     rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
     stop_at = jnp.minimum(limit, state.max_new)
@@ -228,8 +229,8 @@ def _result(state: DecodeState, *, width: int) -> SampleResult:
 
 def _decode_phases(cfg: ModelConfig, params, state: DecodeState, *, spec: _Spec, new_bucket: int,
                    max_new_tokens: int, decode=_decode, widen=_widen) -> DecodeState:
-    """Runs every decode phase (see the module docstring): decode to the cache's width, widen, go on.
-    Traceable; `generate` passes the jitted `decode` and `widen` instead."""
+    """Runs every decode phase (see the module docstring): decode to the cache's width, widen, go
+    on. Traceable; `generate` passes the jitted `decode` and `widen` instead."""
     widths = phase_widths(new_bucket, max_new_tokens)
     for i, width in enumerate(widths):
         if i:

@@ -15,7 +15,8 @@ import numpy as np
 
 from rljax.models import ModelConfig, unstack_layers
 from rljax.sampling.filters import make_filters
-from rljax.sampling.sampler import SampleResult, _decode_phases, _prefill, _result, _Spec, bucket_length
+from rljax.sampling.sampler import (SampleResult, _decode_phases, _prefill, _result, _Spec,
+                                    bucket_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, cont
     state = _prefill(cfg, params, prompt_tokens_bt, prompt_mask_bt.astype(bool), key,
                      jnp.int32(controls.max_new_tokens), scalars, spec=spec, num_samples=controls.num_samples,
                      new_bucket=bucket_length(controls.max_new_tokens))
-    state = _decode_phases(cfg, params, state, spec=spec, new_bucket=bucket_length(controls.max_new_tokens),
+    state = _decode_phases(cfg, params, state, spec=spec,
+                           new_bucket=bucket_length(controls.max_new_tokens),
                            max_new_tokens=controls.max_new_tokens)
     return _result(state, width=controls.max_new_tokens)
