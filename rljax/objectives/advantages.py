@@ -97,7 +97,7 @@ def rloo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, **_):
     return _to_tokens(jnp.where(flat_b | (n_b < 2), 0.0, adv_b), loss_mask_bt)
 
 
-@ADVANTAGES.register("remax")
+@ADVANTAGES.register("remax", needs=("greedy_baseline",))
 def remax(rewards_b, group_ids_b, loss_mask_bt, *, baseline_b=None, token_rewards_bt=None, **_):
     """A_i = r_i - r(greedy response to the same prompt) (ReMax, Li et al. 2023)."""
     if baseline_b is None:
@@ -177,7 +177,7 @@ def gae_from_rewards(rewards_bt, values_bt, mask_bt, gamma: float = 1.0, lam: fl
     return adv_tb.T
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", needs=("values",))
 def gae(rewards_b, group_ids_b, loss_mask_bt, *, values_bt=None, token_rewards_bt=None, gamma=1.0,
         lam=1.0, **_):
     """GAE(gamma, lambda) with a value model (PPO, Schulman et al. 2017; GAE 2016); the sequence

@@ -1,7 +1,10 @@
 """Name -> function registries: an algorithm is picked by config, never by an if/elif chain.
 
 Each registry knows its own valid names, so config validation and error messages are driven
-from the registry and cannot drift from what is implemented.
+from the registry and cannot drift from what is implemented. An entry also declares what it
+needs from the rollout beyond tokens, log-probs and rewards (`ROLLOUT_NEEDS`): ReMax's estimator
+needs a greedy baseline, GAE needs a value model. `AlgorithmConfig.needs` collects them, and the
+rollout and update step ask it instead of special-casing an algorithm.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from rljax.errors import ConfigError
 
 F = TypeVar("F", bound=Callable)
 
+# What an objective piece can ask of a rollout (see `rljax.objectives.config.RolloutNeeds`).
+ROLLOUT_NEEDS = ("greedy_baseline", "values", "reference_logp")
+
 
 class Registry(Generic[F]):
     """A named table of pure functions of one kind (advantage estimators, policy losses, ...)."""
@@ -19,15 +25,28 @@ class Registry(Generic[F]):
     def __init__(self, kind: str):
         self.kind = kind
         self._fns: dict[str, F] = {}
+        self._needs: dict[str, frozenset[str]] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator: `@ADVANTAGES.register("grpo")` adds the function under `name`."""
+    def register(self, name: str, *, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
+        """Decorator: `@ADVANTAGES.register("remax", needs=("greedy_baseline",))` adds the
+        function under `name`, with what it needs from the rollout (names in `ROLLOUT_NEEDS`)."""
+        unknown = set(needs) - set(ROLLOUT_NEEDS)
+        if unknown:
+            raise ValueError(f"{self.kind} {name!r} needs unknown rollout data {sorted(unknown)}; "
+                             f"known: {', '.join(ROLLOUT_NEEDS)}")
+
         def add(fn: F) -> F:
             if name in self._fns:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             self._fns[name] = fn
+            self._needs[name] = frozenset(needs)
             return fn
         return add
+
+    def needs(self, name: str) -> frozenset[str]:
+        """What the entry `name` needs from the rollout (empty for most)."""
+        self.get(name)
+        return self._needs[name]
 
     def get(self, name: str) -> F:
         """The function registered as `name`; a one-line ConfigError listing valid names otherwise."""

@@ -1,6 +1,6 @@
 """The training recipe: one frozen, typed, validated config for `rljax train`.
 
-Recipes live in `configs/*.toml`; `rljax train --config FILE key=value ...` overrides any field
+Recipes live in `rljax/configs/*.toml` (linked as `configs/`; `--config ppo` names one); `rljax train --config FILE key=value ...` overrides any field
 by its dotted path (`rl.iterations=20`, `algorithm.algorithm=dapo`). An unknown key or a bad value
 is one error line that lists the valid choices (see `rljax.config_io`).
 """
@@ -212,12 +212,30 @@ class TrainConfig:
         return to_dict(self)
 
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# The recipes ship inside the package, so a wheel install has them; the checkout's top-level
+# `configs/` is a link to this directory (one source, readable where users look first).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def recipe_path(path: str | Path | None) -> Path:
+    """A recipe file: `path` as given when it exists, else a packaged recipe by name (`ppo`,
+    `ppo.toml`); None is the packaged default job."""
+    if path is None:
+        return CONFIG_DIR / "default.toml"
+    given = Path(path)
+    if given.exists():
+        return given
+    packaged = CONFIG_DIR / (given.name if given.suffix == ".toml" else f"{given.name}.toml")
+    if len(given.parts) == 1 or given.parent.name == "configs":
+        if packaged.exists():
+            return packaged
+    return given  # load_toml reports the missing file
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Loads a recipe (default: the packaged tiny CPU job) and applies `key=value` overrides."""
-    mapping = apply_overrides(load_toml(path or CONFIG_DIR / "default.toml"), list(overrides))
+    """Loads a recipe (default: the packaged tiny CPU job; a bare name such as `ppo` picks a
+    packaged recipe) and applies `key=value` overrides."""
+    mapping = apply_overrides(load_toml(recipe_path(path)), list(overrides))
     cfg = build(TrainConfig, mapping)
     if "total_steps" not in mapping.get("optim", {}):
         # The schedule spans the run unless the recipe says otherwise: one optimiser step per
