@@ -125,6 +125,75 @@ def test_reinforce_pp_matches_numpy_with_kl_in_reward(data):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
 
 
+def test_reinforce_pp_discounts_with_gamma(data):
+    """REINFORCE++ with gamma = 0.9: G_t = r_t + 0.9 G_{t+1} over each row's masked steps (a NumPy
+    loop), then whitened over the batch's valid tokens. Catches the old `reinforce_pp(..., **_)`,
+    which swallowed gamma and returned the undiscounted (gamma = 1) return-to-go."""
+    rng, mask, r, g = data
+    dense = (-0.1 * rng.random((B, T))).astype(np.float32) * mask
+    ret, _ = np_returns_and_gae(r, mask, dense=dense, gamma=0.9)
+    valid = mask > 0
+    want = (ret - ret[valid].mean()) / (ret[valid].std(ddof=1) + 1e-6) * mask
+    got = obj.ADVANTAGES.get("reinforce_pp")(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask),
+                                             token_rewards_bt=jnp.asarray(dense), gamma=0.9)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def np_masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """verl's `masked_whiten` (OpenAI baselines' whitening): mean and unbiased variance over valid
+    tokens, (x - mean) / sqrt(var + eps), the mean added back when shift_mean is False."""
+    valid = mask > 0
+    mean = x[valid].mean()
+    var = x[valid].var(ddof=1)
+    out = (x - mean) / np.sqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return np.where(valid, out, 0.0)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_advantages_matches_masked_whiten(data, shift_mean):
+    """whiten_advantages equals verl's masked_whiten over valid tokens (unbiased variance, eps inside
+    the square root) and is zero off the mask, whatever sits there. Catches its absence in the old
+    code (no whitening for PPO/GAE advantages existed)."""
+    from rljax.objectives.advantages import whiten_advantages
+    rng, mask, _, _ = data
+    x = rng.normal(loc=0.7, scale=3.0, size=(B, T)).astype(np.float32)
+    dirty = np.where(mask > 0, x, 1e4).astype(np.float32)  # garbage off the mask must not leak in
+    got = whiten_advantages(jnp.asarray(dirty), jnp.asarray(mask), shift_mean=shift_mean)
+    np.testing.assert_allclose(np.asarray(got), np_masked_whiten(x, mask, shift_mean), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[mask == 0] == 0)
+
+
+def np_reinforce_pp_baseline(r, g, mask, dense=None):
+    """REINFORCE++-baseline (Hu et al. 2025; verl's compute_reinforce_plus_plus_baseline_outcome_advantage):
+    sequence score minus its group mean, on every valid token, then masked_whiten over the batch.
+    rljax's convention: groups with one sample or all-equal scores give 0 before whitening."""
+    s = r.astype(np.float64) + (0.0 if dense is None else (dense * mask).sum(1))
+    a = np.zeros_like(s)
+    for gid in np.unique(g):
+        idx = g == gid
+        if idx.sum() > 1 and not np.all(s[idx] == s[idx][0]):
+            a[idx] = s[idx] - s[idx].mean()
+    return np_masked_whiten(a[:, None] * mask, mask)
+
+
+def test_reinforce_pp_baseline_matches_numpy(data):
+    """Group-mean subtraction of the sequence reward (+ the row sum of dense -beta*KL), broadcast to
+    tokens, then whitened over the batch's valid tokens; a flat group and a one-sample group give
+    0 before whitening. Catches its absence in the old registry."""
+    rng, mask, r, g = data
+    dense = (-0.1 * rng.random((B, T))).astype(np.float32) * mask
+    fn = obj.ADVANTAGES.get("reinforce_pp_baseline")
+    got = fn(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask), token_rewards_bt=jnp.asarray(dense))
+    np.testing.assert_allclose(np.asarray(got), np_reinforce_pp_baseline(r, g, mask, dense), rtol=1e-4, atol=1e-5)
+    r2, g2 = r.copy(), g.copy()
+    r2[g2 == g2[0]] = 0.1  # a zero-variance group whose float mean is inexact
+    g2[-1] = 0             # a group of one (ids in use are 1..3)
+    got = fn(jnp.asarray(r2), jnp.asarray(g2), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got), np_reinforce_pp_baseline(r2, g2, mask), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (0.99, 0.0)])
 def test_gae_matches_numpy(data, gamma, lam):
     """GAE by reverse scan equals the textbook recursion run on each row's masked steps."""

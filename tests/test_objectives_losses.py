@@ -63,16 +63,20 @@ NP_LOSSES = {"ppo_clip": np_ppo, "gspo": np_gspo, "cispo": np_cispo, "topr": np_
 
 
 def np_aggregate(loss, mask, mode, norm_length=None):
+    """verl's agg_loss modes; the seq-mean modes average over rows with at least one token."""
     rows = [(loss[i] * mask[i]).sum() for i in range(len(mask))]
     counts = mask.sum(1)
+    nonempty = int((counts > 0).sum())
     if mode == "token-mean":
         return sum(rows) / counts.sum()
+    if mode == "token-sum":
+        return sum(rows)
     if mode == "seq-mean-token-mean":
         per = [rows[i] / counts[i] for i in range(len(mask)) if counts[i] > 0]
         return sum(per) / len(per)
     if mode == "seq-mean-token-sum":
-        return sum(rows) / len(mask)
-    return sum(rows) / (len(mask) * (norm_length or mask.shape[1]))
+        return sum(rows) / nonempty
+    return sum(rows) / (nonempty * (norm_length or mask.shape[1]))
 
 
 def _jax_loss(name, logp, old, adv, mask, mode, el, eh, **kw):
@@ -86,15 +90,19 @@ def _jax_loss(name, logp, old, adv, mask, mode, el, eh, **kw):
 def test_registries_cover_the_issue():
     """Every estimator, loss, aggregation mode and KL estimator the issue names is registered."""
     assert set(obj.POLICY_LOSSES.names()) == set(NP_LOSSES)
-    assert set(obj.AGGREGATIONS.names()) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                            "seq-mean-token-sum-norm"}
-    assert set(obj.KL_ESTIMATORS.names()) == {"k1", "k2", "k3"}
-    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "gae", "reinforce"} == set(obj.ADVANTAGES.names())
+    assert set(obj.AGGREGATIONS.names()) == {"token-mean", "token-sum", "seq-mean-token-mean",
+                                            "seq-mean-token-sum", "seq-mean-token-sum-norm"}
+    assert set(obj.KL_ESTIMATORS.names()) == {"k1", "k2", "k3", "abs", "k3+"}
+    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae",
+            "reinforce"} == set(obj.ADVANTAGES.names())
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                                  "seq-mean-token-sum-norm"])
 def test_aggregation_matches_numpy(mode):
-    """Each aggregation mode matches its NumPy formula on ragged masks (with an empty row)."""
+    """Each aggregation mode matches its NumPy formula on ragged masks with a fully masked row.
+    Catches the old seq-mean-token-sum(-norm), which divided by every row (B) instead of the
+    non-empty ones, and the old registry without token-sum."""
     loss, _, _, mask = _case(1)
     got = obj.aggregate(jnp.asarray(loss, jnp.float32), jnp.asarray(mask), mode)
     np.testing.assert_allclose(float(got), np_aggregate(loss, mask, mode), rtol=1e-5)
@@ -103,22 +111,70 @@ def test_aggregation_matches_numpy(mode):
 
 
 def test_aggregation_parts_add_across_row_splits():
-    """(numerator, denominator) pairs summed over row blocks equal the full-batch aggregate exactly."""
+    """(numerator, denominator) pairs summed over row blocks equal the full-batch aggregate exactly;
+    token-sum's denominator is the constant 1, so its numerators add and its denominator does not."""
     loss, _, _, mask = _case(2, b=8)
     loss, mask = jnp.asarray(loss, jnp.float32), jnp.asarray(mask)
     for mode in obj.AGGREGATIONS.names():
         parts = [obj.aggregate_parts(loss[i:i + 2], mask[i:i + 2], mode) for i in range(0, 8, 2)]
         whole = obj.aggregate(loss, mask, mode)
-        np.testing.assert_allclose(sum(p[0] for p in parts) / sum(p[1] for p in parts), whole, rtol=1e-6)
+        den = 1.0 if mode == "token-sum" else sum(p[1] for p in parts)
+        np.testing.assert_allclose(sum(p[0] for p in parts) / den, whole, rtol=1e-6, err_msg=mode)
 
 
-@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
+def test_fully_masked_rows_do_not_dilute_any_mode():
+    """Appending fully masked rows (dynamic-sampling filler, sequences dropped by MIS) changes no
+    mode's value. Catches the old seq-mean-token-sum and seq-mean-token-sum-norm, whose
+    denominator counted every row: 4 filler rows on 6 shrank the loss by 6/10."""
+    loss, _, _, mask = _case(9)
+    rng = np.random.default_rng(3)
+    padded_loss = np.concatenate([loss, rng.normal(size=(4, T))])
+    padded_mask = np.concatenate([mask, np.zeros((4, T))])
+    for mode in obj.AGGREGATIONS.names():
+        a = obj.aggregate(jnp.asarray(loss, jnp.float32), jnp.asarray(mask), mode, norm_length=16)
+        b = obj.aggregate(jnp.asarray(padded_loss, jnp.float32), jnp.asarray(padded_mask), mode, norm_length=16)
+        np.testing.assert_allclose(float(b), float(a), rtol=1e-6, err_msg=mode)
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "abs", "k3+"])
 def test_kl_estimators_match_schulman(name):
-    """k1 = log(pi/ref), k2 = log^2(pi/ref)/2, k3 = r - 1 - log r with r = ref/pi."""
+    """k1 = log(pi/ref), k2 = log^2(pi/ref)/2, k3 = r - 1 - log r with r = ref/pi (Schulman 2020);
+    abs = |log pi - log ref| and k3+ has k3's value (verl's kl_penalty). Catches the old registry,
+    which had neither abs nor k3+."""
     logp, ref, _, _ = _case(3)
     lr = ref - logp
-    want = {"k1": -lr, "k2": 0.5 * lr**2, "k3": np.exp(lr) - 1 - lr}[name]
+    k3 = np.exp(lr) - 1 - lr
+    want = {"k1": -lr, "k2": 0.5 * lr**2, "k3": k3, "abs": np.abs(lr), "k3+": k3}[name]
     np.testing.assert_allclose(np.asarray(obj.kl(jnp.asarray(logp), jnp.asarray(ref), name)), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "abs", "k3+"])
+def test_kl_estimator_gradients(name):
+    """d/d log pi of each estimator, written from its formula: k1 -> 1, k2 -> log pi - log ref,
+    k3 -> 1 - ref/pi, abs -> sign(log pi - log ref), and k3+ -> k2's gradient (verl's straight-
+    through "k3+": k3's value, k2's gradient). Catches an old registry without abs and k3+."""
+    logp, ref, _, _ = _case(3)
+    d = logp - ref
+    want = {"k1": np.ones_like(d), "k2": d, "k3": 1 - np.exp(-d), "abs": np.sign(d), "k3+": d}[name]
+    with jax.enable_x64(True):
+        g = jax.grad(lambda lp: jnp.sum(obj.kl(lp, jnp.asarray(ref), name)))(jnp.asarray(logp))
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["k1", "k3", "k3+"])
+def test_kl_clamp_bounds_the_estimate(name):
+    """kl(..., clamp=c) is clip(estimate, -c, c) (verl clamps k3 to +-10), with zero gradient where
+    it binds; clamp=None leaves the estimate as it is. Catches the old kl(), which had no clamp."""
+    logp = np.array([-1.0, -0.5, -20.0, -0.1, -3.0])
+    ref = np.array([-1.2, -15.0, -0.5, -14.0, -2.5])  # log r = ref - logp reaches -14.5 and 19.5
+    lr = ref - logp
+    raw = {"k1": -lr, "k3": np.exp(lr) - 1 - lr, "k3+": np.exp(lr) - 1 - lr}[name]
+    with jax.enable_x64(True):
+        f = lambda lp, c: obj.kl(lp, jnp.asarray(ref), name, clamp=c)  # noqa: E731
+        np.testing.assert_allclose(np.asarray(f(jnp.asarray(logp), 10.0)), np.clip(raw, -10, 10), rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(f(jnp.asarray(logp), None)), raw, rtol=1e-12)
+        g = np.asarray(jax.grad(lambda lp: jnp.sum(f(lp, 10.0)))(jnp.asarray(logp)))
+    assert np.all(g[np.abs(raw) > 10] == 0) and np.all(g[np.abs(raw) < 10] != 0)
 
 
 def test_kl_estimators_are_unbiased_where_schulman_says():
@@ -235,6 +291,66 @@ def test_tis_and_mis_match_numpy(level):
     np.testing.assert_array_equal(np.asarray(m), mask * (np.abs(lw) <= np.log(1.5)))
 
 
+def _extreme_case():
+    """Log-ratios of +100 and -100 on masked tokens, on tokens the clip range caps, on tokens left
+    unclipped (dual clip off) and on a whole row (GSPO's sequence ratio)."""
+    logp, old, adv, mask = _case(10)
+    mask[:, :2] = 0
+    mask[1, 2:] = 1
+    adv = np.where(mask > 0, adv, 0.0)
+    old = old.copy()
+    old[0, 0], old[0, 1] = logp[0, 0] - 100, logp[0, 1] + 100    # masked
+    old[1, 3], old[1, 4] = logp[1, 3] - 100, logp[1, 4] + 100    # in the loss
+    adv[1, 3], adv[1, 4] = 1.0, -1.0   # r = e^100 with A > 0: clipped; r = e^-100 with A < 0: clipped
+    adv[1, 5], old[1, 5] = -1.0, logp[1, 5] - 100  # r = e^100 with A < 0: the unclipped branch
+    old[2] = np.where(mask[2] > 0, logp[2] - 100, old[2])  # a whole row at +100: GSPO's s = e^100
+    adv[2] = -np.abs(adv[2]) - mask[2]
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "pg", "gspo", "cispo", "topr"])
+def test_extreme_log_ratios_give_finite_losses_gradients_and_ratios(name):
+    """With log-ratios of +-100, every registered loss's masked-mean value, its jax.grad w.r.t. logp
+    and the masked sum of its `ratio` stat (the ratio/mean metric) are finite, because the
+    log-ratio is clamped to +-LOG_RATIO_CLAMP before exp (verl: +-20). Catches the old unclamped
+    exp(logp - old_logp): e^100 = inf in float32, so inf * 0 on masked tokens gave NaN gradients
+    (ppo_clip, pg, gspo) and a NaN ratio metric (all five)."""
+    from rljax.objectives.losses import LOG_RATIO_CLAMP
+    assert LOG_RATIO_CLAMP == 20.0
+    assert name in obj.POLICY_LOSSES
+    logp, old, adv, mask = (jnp.asarray(x, jnp.float32) for x in _extreme_case())
+
+    def f(lp):
+        per, st = obj.POLICY_LOSSES.get(name)(lp, old, adv, mask)
+        return obj.aggregate(per, mask, "token-mean"), st
+
+    (value, st), g = jax.value_and_grad(f, has_aux=True)(logp)
+    assert np.isfinite(float(value)), name
+    assert np.all(np.isfinite(np.asarray(g))), name
+    assert np.all(np.asarray(g)[np.asarray(mask) == 0] == 0), name
+    assert np.isfinite(float(jnp.sum(st["ratio"] * mask))), name
+    assert float(jnp.max(st["ratio"])) <= np.exp(np.float32(LOG_RATIO_CLAMP)) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_extreme_off_policy_weights_are_finite(level):
+    """TIS and MIS weights and masks stay finite with sampler log-ratios of +-100, an uncapped TIS
+    (cap = inf: exp of the clamped log-weight) and -inf sampler log-probs on padding; padding does
+    not change MIS's keep decision. Catches the old _log_weights, whose (old - mu) * mask gave
+    inf * 0 = NaN on padding, and the old TIS, whose e^100 weight was inf."""
+    logp, behaviour, _, mask = _extreme_case()
+    behaviour = np.where(mask > 0, behaviour, -np.inf)
+    args = (jnp.asarray(logp, jnp.float32), jnp.asarray(behaviour, jnp.float32), jnp.asarray(mask, jnp.float32))
+    w, m = obj.truncated_is(*args, cap=float("inf"), level=level)
+    assert np.all(np.isfinite(np.asarray(w))) and np.all(np.asarray(m) == mask)
+    w, m = obj.masked_is(*args, cap=2.0, level=level)
+    lw = np.where(mask > 0, logp - np.where(mask > 0, behaviour, 0.0), 0.0)
+    if level == "sequence":
+        lw = np.repeat(lw.sum(1, keepdims=True), T, 1)
+    np.testing.assert_array_equal(np.asarray(m), mask * (np.abs(lw) <= np.log(2.0)))
+    assert np.all(np.asarray(w) == 1.0)
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -253,7 +369,7 @@ def test_every_algorithm_preset_builds_and_pieces_override():
     (dict(advantage="gea"), "unknown advantage estimator 'gea'; choose one of dr_grpo, gae"),
     (dict(policy_loss="ppo"), "unknown policy loss 'ppo'; choose one of cispo, gspo, pg, ppo_clip, topr"),
     (dict(aggregation="mean"), "choose one of seq-mean-token-mean"),
-    (dict(kl_estimator="k4"), "choose one of k1, k2, k3"),
+    (dict(kl_estimator="k4"), "choose one of abs, k1, k2, k3, k3+"),
     (dict(off_policy="tis"), "needs recompute_old_logp=True"),
     (dict(advantage="gae"), "set value_coef > 0"),
 ])

@@ -10,6 +10,10 @@ an id). `token_rewards_bt` is an optional dense per-token reward such as -beta *
 into the reward); sequence-level estimators add its row sum to the row's reward. Advantages are
 zero outside `loss_mask_bt`. Groups whose rewards are all equal carry no signal: every group
 estimator gives them exactly zero advantage (no 0/0 NaN), and `zero_variance_groups` counts them.
+The exception is reinforce_pp_baseline: its zero is then whitened with the rest of the batch, which
+shifts it by -mean / std, as in verl and the paper.
+
+`whiten_advantages` is the batch whitening on its own, for PPO's GAE advantages.
 """
 
 from __future__ import annotations
@@ -143,17 +147,70 @@ def dense_rewards(rewards_b, loss_mask_bt, token_rewards_bt=None):
     return r_bt * loss_mask_bt
 
 
+def _masked_mean_var(x_bt, m_bt):
+    """Mean and unbiased variance of x over the tokens where m > 0 (values elsewhere are ignored)."""
+    valid = m_bt > 0
+    x_bt = jnp.where(valid, x_bt.astype(jnp.float32), 0.0)
+    n = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+    mean = jnp.sum(x_bt) / n
+    var = jnp.sum(jnp.where(valid, jnp.square(x_bt - mean), 0.0)) / jnp.maximum(n - 1, 1.0)
+    return mean, var
+
+
+def whiten_advantages(adv_bt, mask_bt, shift_mean: bool = True, eps: float = 1e-8):
+    """Whitening over the batch's valid tokens, zero off the mask:
+
+        A'_t = (A_t - mean A) / sqrt(var A + eps),   plus mean A again when shift_mean is False,
+
+    with the mean and the unbiased variance taken over every token where mask > 0. This is verl's
+    `masked_whiten` (eps inside the square root, as there), the advantage normalisation of OpenAI
+    baselines' PPO, and of *Secrets of RLHF in Large Language Models Part I: PPO* (Zheng et al.,
+    2023). Apply it to GAE advantages after the returns are formed, so the returns stay raw.
+    """
+    m = mask_bt.astype(jnp.float32)
+    mean, var = _masked_mean_var(adv_bt, m)
+    out = (adv_bt.astype(jnp.float32) - mean) * jax.lax.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return jnp.where(m > 0, out, 0.0)
+
+
 @ADVANTAGES.register("reinforce_pp")
-def reinforce_pp(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, eps=1e-6, **_):
-    """REINFORCE++ (Hu, 2025): return-to-go G_t = sum_{k>=t} r_k of dense rewards (sequence reward
-    at the last token, -beta * KL_t folded in per token), then normalised over all valid tokens of
-    the batch: A_t = (G_t - mean G) / (std G + eps)."""
+def reinforce_pp(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, gamma=1.0, eps=1e-6,
+                 **_):
+    """REINFORCE++ (Hu, 2025): discounted return-to-go of dense rewards (the sequence reward at the
+    last token, -beta * KL_t folded in per token), G_t = r_t + gamma * G_{t+1} over the row's
+    masked steps, then normalised over all valid tokens of the batch:
+
+        A_t = (G_t - mean G) / (std G + eps),   std unbiased.
+
+    Like verl's compute_reinforce_plus_plus_outcome_advantage, which whitens with eps inside the
+    square root, (G - mean) / sqrt(var + 1e-8); the two agree to about eps / std.
+    """
     m = loss_mask_bt.astype(jnp.float32)
-    g_bt = _reverse_discounted_sum(dense_rewards(rewards_b, m, token_rewards_bt), m, 1.0)
-    n = jnp.maximum(jnp.sum(m), 1.0)
-    mean = jnp.sum(g_bt * m) / n
-    std = jnp.sqrt(jnp.sum(jnp.square(g_bt - mean) * m) / jnp.maximum(n - 1, 1.0))
-    return (g_bt - mean) / (std + eps) * m
+    g_bt = _reverse_discounted_sum(dense_rewards(rewards_b, m, token_rewards_bt), m, gamma)
+    mean, var = _masked_mean_var(g_bt, m)
+    return (g_bt - mean) / (jnp.sqrt(var) + eps) * m
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, **_):
+    """REINFORCE++-baseline (Hu, *REINFORCE++*, 2025): a group-mean baseline, then whitening over
+    the batch's valid tokens (verl's compute_reinforce_plus_plus_baseline_outcome_advantage):
+
+        A_i = r_i - mean_g r        on every valid token of row i,
+        A_t <- whiten_advantages(A)  = (A_t - mean A) / sqrt(var A + 1e-8).
+
+    r_i is the sequence reward plus the row sum of any dense `token_rewards_bt` (-beta * KL).
+    Differs from verl on groups with one sample (verl's baseline is 0 there, so A_i = r_i) and on
+    groups whose rewards are all equal: rljax gives both 0 before whitening, as its other group
+    estimators do (one sample, or equal rewards, says nothing about which response was better).
+    The shared `eps` is not used: the whitening keeps verl's 1e-8 inside the square root.
+    """
+    r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
+    _, _, mean_b, _, flat_b = _group_stats(r_b, group_ids_b)
+    adv_b = jnp.where(flat_b, 0.0, r_b - mean_b)
+    return whiten_advantages(_to_tokens(adv_b, loss_mask_bt), loss_mask_bt)
 
 
 def gae_from_rewards(rewards_bt, values_bt, mask_bt, gamma: float = 1.0, lam: float = 1.0):

@@ -2,13 +2,22 @@
 KL Divergence*, 2020).
 
 With samples from pi and log r = log ref - log pi:
-    k1 = -log r = log pi - log ref                 (unbiased, high variance, can be negative)
-    k2 = (log r)^2 / 2                             (biased, low variance, always >= 0)
-    k3 = (r - 1) - log r                           (unbiased, low variance, always >= 0)
+    k1  = -log r = log pi - log ref                (unbiased, high variance, can be negative)
+    k2  = (log r)^2 / 2                            (biased, low variance, always >= 0)
+    k3  = (r - 1) - log r                          (unbiased, low variance, always >= 0)
+    abs = |log r|                                  (verl's "abs"; a penalty, not an estimate)
+    k3+ = k2 + sg(k3 - k2)                         (k3's value, k2's gradient; verl's "k3+")
+
+As a loss on samples of pi, k2's gradient (log pi - log ref) grad log pi has expectation
+grad KL(pi || ref), while k3's, (1 - r) grad log pi, has expectation grad KL(ref || pi), the
+reverse KL, and grows like ref/pi where pi << ref. k3+ keeps k3's value (for the metric and the
+penalty's size) and takes k2's gradient. `kl(..., clamp=c)` clips any estimate to [-c, c] (verl clamps k3 to +-10); where the
+clamp binds, the gradient is zero.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from rljax.objectives.registry import KL_ESTIMATORS
@@ -33,6 +42,22 @@ def k3(logp, ref_logp):
     return jnp.expm1(log_r) - log_r
 
 
-def kl(logp, ref_logp, estimator: str = "k3"):
-    """Per-token KL(pi || ref) estimate by name: 'k1', 'k2' or 'k3' (same shape as `logp`)."""
-    return KL_ESTIMATORS.get(estimator)(logp, ref_logp)
+@KL_ESTIMATORS.register("abs")
+def abs_kl(logp, ref_logp):
+    """|log pi - log ref|: the absolute log-ratio (verl's "abs" KL penalty, after TRL)."""
+    return jnp.abs(logp - ref_logp)
+
+
+@KL_ESTIMATORS.register("k3+")
+def k3_plus(logp, ref_logp):
+    """k2 + sg(k3 - k2): k3's value with k2's gradient log pi - log ref (verl's straight-through
+    "k3+" / "low_var_kl+"; Schulman, 2020, for k2 and k3)."""
+    k2_bt = k2(logp, ref_logp)
+    return k2_bt + jax.lax.stop_gradient(k3(logp, ref_logp) - k2_bt)
+
+
+def kl(logp, ref_logp, estimator: str = "k3", clamp: float | None = None):
+    """Per-token KL(pi || ref) estimate by name: 'k1', 'k2', 'k3', 'abs' or 'k3+' (same shape as
+    `logp`), clipped to [-clamp, clamp] when `clamp` is not None (verl clamps k3 to +-10)."""
+    out = KL_ESTIMATORS.get(estimator)(logp, ref_logp)
+    return out if clamp is None else jnp.clip(out, -clamp, clamp)

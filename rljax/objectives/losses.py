@@ -9,6 +9,12 @@ Every policy loss shares one signature so the update step finds it by name:
 per-token `ratio`, `clip_low` and `clip_high` indicators (where clipping zeroes or caps that
 token's gradient) for the metrics. Ratios are r_t = exp(logp_t - old_logp_t); old log-probs are
 constants (stop-gradient).
+
+Every ratio and importance weight is exp of a log-ratio clamped to [-LOG_RATIO_CLAMP,
+LOG_RATIO_CLAMP] (20, verl's value; `clamped_ratio`). Unclamped, a log-ratio above ~88 overflows
+float32 to inf, and inf * 0 on a masked or clipped token turns the whole gradient into NaN. Where
+the clamp binds, the token's gradient through the ratio is zero, as in verl (the token is e^20
+times more or less likely than when it was sampled, far outside any clip range).
 """
 
 from __future__ import annotations
@@ -19,6 +25,17 @@ import jax.numpy as jnp
 from rljax.objectives.registry import OFF_POLICY, POLICY_LOSSES
 
 sg = jax.lax.stop_gradient
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def clamped_ratio(log_ratio):
+    """exp(clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)): a ratio that never overflows."""
+    return jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _ratio(logp_bt, old_logp_bt):
+    return clamped_ratio(logp_bt - sg(old_logp_bt))
 
 
 def _stats(ratio_bt, clip_low_bt, clip_high_bt):
@@ -35,7 +52,7 @@ def ppo_clip(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=0.2, eps_high=0.2
     and optional dual clip (Ye et al., 2020): for A_t < 0, L_t = min(L_t, -c A_t) with c > 1.
     clip_low: r_t < 1 - eps_low and A_t < 0; clip_high: r_t > 1 + eps_high and A_t > 0.
     """
-    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    ratio = _ratio(logp_bt, old_logp_bt)
     loss = jnp.maximum(-adv_bt * ratio, -adv_bt * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
     clip_low = (ratio < 1 - eps_low) & (adv_bt < 0)
     clip_high = (ratio > 1 + eps_high) & (adv_bt > 0)
@@ -50,7 +67,7 @@ def ppo_clip(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=0.2, eps_high=0.2
 def policy_gradient(logp_bt, old_logp_bt, adv_bt, mask_bt, **_):
     """Unclipped importance-weighted policy gradient L_t = -r_t A_t (REINFORCE, Williams 1992);
     at r_t = 1 its gradient is -A_t grad log pi."""
-    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    ratio = _ratio(logp_bt, old_logp_bt)
     never = jnp.zeros_like(ratio, bool)
     return -adv_bt * ratio, _stats(ratio, never, never)
 
@@ -65,11 +82,13 @@ def gspo(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=3e-4, eps_high=4e-4, 
     applied per token in the GSPO-token form s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)): its value
     is s_i and its gradient s_i grad log pi_t, so under seq-mean-token-mean aggregation the token
     form equals the sequence form. A_i is the row's advantage (constant over its tokens).
+    log s_i is clamped to +-LOG_RATIO_CLAMP (verl clamps GSPO's log-ratio above at 10).
     """
     m = mask_bt.astype(logp_bt.dtype)
     n_b = jnp.maximum(jnp.sum(m, axis=-1, keepdims=True), 1.0)
-    log_s_b1 = jnp.sum((logp_bt - sg(old_logp_bt)) * m, axis=-1, keepdims=True) / n_b
-    s_bt = jnp.exp(sg(log_s_b1) + logp_bt - sg(logp_bt))
+    log_r_bt = jnp.where(m > 0, logp_bt - sg(old_logp_bt), 0.0)  # padding may hold -inf
+    log_s_b1 = jnp.sum(log_r_bt, axis=-1, keepdims=True) / n_b
+    s_bt = clamped_ratio(sg(log_s_b1) + logp_bt - sg(logp_bt))
     loss = jnp.maximum(-adv_bt * s_bt, -adv_bt * jnp.clip(s_bt, 1 - eps_low, 1 + eps_high))
     clip_low = (s_bt < 1 - eps_low) & (adv_bt < 0)
     clip_high = (s_bt > 1 + eps_high) & (adv_bt > 0)
@@ -84,7 +103,7 @@ def cispo(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=1.0, eps_high=0.28, 
 
     so every token keeps a gradient (clipping bounds its weight instead of dropping it).
     """
-    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    ratio = _ratio(logp_bt, old_logp_bt)
     weight = sg(jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
     loss = -weight * adv_bt * logp_bt
     return loss, _stats(ratio, ratio < 1 - eps_low, ratio > 1 + eps_high)
@@ -99,7 +118,7 @@ def topr(logp_bt, old_logp_bt, adv_bt, mask_bt, **_):
 
     clip_low marks negative tokens whose weight is truncated (r_t > 1).
     """
-    ratio = jnp.exp(logp_bt - sg(old_logp_bt))
+    ratio = _ratio(logp_bt, old_logp_bt)
     weight = jnp.where(adv_bt >= 0, 1.0, sg(jnp.minimum(ratio, 1.0)))
     never = jnp.zeros_like(ratio, bool)
     return -weight * adv_bt * logp_bt, _stats(ratio, (adv_bt < 0) & (ratio > 1.0), never)
@@ -122,10 +141,15 @@ def value_loss(values_bt, old_values_bt, returns_bt, clip_eps: float | None = 0.
 # Inputs: log-probs of the trainer's old policy (`old_logp_bt`) and of the policy that actually
 # drew the samples (`behaviour_logp_bt`: an older snapshot in async training, or another engine).
 # Output: (weight_bt, mask_bt) to multiply into the per-token loss and the loss mask.
+# The weight is exp of a log-weight clamped by `clamped_ratio` (after the sequence sum, as verl's
+# rollout correction does), so an uncapped TIS cannot overflow. MIS compares the unclamped
+# log-weight with log(cap) and exponentiates nothing: clamping there would only let a ratio of
+# e^100 pass a cap above e^20.
 
 
 def _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level):
-    log_w = (old_logp_bt - behaviour_logp_bt) * mask_bt
+    # where, not a product: padding may hold -inf log-probs, and -inf * 0 is NaN
+    log_w = jnp.where(mask_bt > 0, old_logp_bt - behaviour_logp_bt, 0.0)
     if level == "sequence":
         log_w = jnp.broadcast_to(jnp.sum(log_w, axis=-1, keepdims=True), log_w.shape)
     elif level != "token":
@@ -143,7 +167,7 @@ def no_correction(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="to
 def truncated_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
     """Truncated importance sampling: w = min(pi_old / mu, cap), per token or per sequence
     (w = prod_t ratio_t) (Ionides, 2008; as used for sampler/trainer mismatch by verl and TRL)."""
-    w = jnp.exp(jnp.minimum(_log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level), jnp.log(cap)))
+    w = clamped_ratio(jnp.minimum(_log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level), jnp.log(cap)))
     return w, mask_bt
 
 
