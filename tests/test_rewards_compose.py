@@ -10,20 +10,13 @@ from rljax.rewards.pool import VerifierPool
 INLINE = VerifierPool(0)
 
 
-def dapo_reference(n, l_max, l_cache):
-    """DAPO (2025) eq. 13, written out directly."""
-    if n <= l_max - l_cache:
-        return 0.0
-    if n <= l_max:
-        return ((l_max - l_cache) - n) / l_cache
-    return -1.0
-
-
-def test_overlong_penalty_matches_dapo_formula():
-    """OverlongPenalty equals DAPO's piecewise soft punishment at every length 0..L_max+5."""
-    pen = rewards.OverlongPenalty(max_tokens=20, buffer_tokens=8)
-    for n in range(26):
-        assert pen({"completion_tokens": n}, "")[0] == pytest.approx(dapo_reference(n, 20, 8))
+def test_overlong_penalty_lives_only_in_the_update_step():
+    """DAPO's soft overlong punishment exists once: `objectives.overlong_penalty`, applied by the
+    update step's reward shaping (tested in test_objectives_advantages). Catches the old second
+    copy, the `rewards.OverlongPenalty` host verifier."""
+    from rljax import objectives
+    assert not hasattr(rewards, "OverlongPenalty") and "OverlongPenalty" not in rewards.__all__
+    assert callable(objectives.overlong_penalty)
 
 
 def test_target_length_and_tag_format():
@@ -42,14 +35,14 @@ def test_target_length_and_tag_format():
 def test_compose_weights_and_reports_parts():
     """total = Σ weight·part, each part reported unweighted under its name."""
     reward = rewards.compose(correct=(1.0, rewards.MathAnswer()), format=(0.1, rewards.TagFormat()),
-                             overlong=rewards.OverlongPenalty(max_tokens=10, buffer_tokens=5))
+                             length=(-0.5, rewards.TargetLength(target_tokens=8)))
     metas = [{"answer": "4"}] * 3
     texts = ["<think>2+2</think><answer>4</answer>", "<answer>5</answer>", "\\boxed{4}"]
     out, infos = reward.batch(metas, texts, num_tokens=[3, 8, 12], pool=INLINE)
     np.testing.assert_allclose(out.parts["correct"], [1, 0, 1])
     np.testing.assert_allclose(out.parts["format"], [1, 0, 0])
-    np.testing.assert_allclose(out.parts["overlong"], [0, -0.6, -1])
-    np.testing.assert_allclose(out.total_b, [1.1, -0.6, 0.0], atol=1e-6)
+    np.testing.assert_allclose(out.parts["length"], [0.375, 1.0, 0.5])
+    np.testing.assert_allclose(out.total_b, [1.1 - 0.1875, -0.5, 1.0 - 0.25], atol=1e-6)
     assert out.total_b.dtype == np.float32 and not out.failed_b.any()
     assert infos[0]["correct"]["method"] == "answer_tag"
 

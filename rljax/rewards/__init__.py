@@ -23,10 +23,10 @@ from rljax.rewards.math import MathAnswer, math_verify
 from rljax.rewards.pool import Outcome, Task, VerifierPool, default_pool
 from rljax.rewards.reasoning import ReasoningGymAnswer
 from rljax.rewards.sandbox import SandboxLimits, run_code
-from rljax.rewards.shaping import OverlongPenalty, RegexFormat, TagFormat, TargetLength
+from rljax.rewards.shaping import RegexFormat, TagFormat, TargetLength
 
 __all__ = [
-    "CodeTests", "FunctionVerifier", "MathAnswer", "OverlongPenalty", "Outcome", "Part",
+    "CodeTests", "FunctionVerifier", "MathAnswer", "Outcome", "Part",
     "ReasoningGymAnswer", "RegexFormat", "RewardCallback", "RewardFn", "Rewards", "SandboxLimits",
     "TagFormat", "TargetLength", "Task", "Verifier", "VerifierPool", "answer_tag", "as_callback",
     "boxed", "compose", "default_pool", "extract_answer", "extract_code", "final_line",

@@ -5,14 +5,10 @@
 - `RegexFormat`: 1 when a regular expression matches.
 - `TargetLength`: ``1 − |L − L_target| / L_target``, floored at 0, rewarding a length budget
   (in the spirit of LASER and GRPO-λ, 2025).
-- `OverlongPenalty`: DAPO's soft overlong punishment (DAPO, 2025), with ``L`` the completion's
-  length in tokens, ``L_max`` the generation limit and ``L_cache`` the buffer::
 
-      R(L) = 0                              if L ≤ L_max − L_cache
-           = ((L_max − L_cache) − L) / L_cache   if L_max − L_cache < L ≤ L_max
-           = −1                             if L > L_max
-
-  It is a penalty: compose it with weight 1 and it subtracts from the total.
+DAPO's soft overlong punishment is not a verifier here: it exists once, as
+`rljax.objectives.overlong_penalty`, applied in the update step by the reward-shaping config
+(``shaping.overlong_max_length`` / ``shaping.overlong_buffer``), where the lengths are on device.
 
 All are cheap and pure (``time_limit_s = None``), so they run inline, not in the pool. Length
 verifiers read ``metadata["completion_tokens"]``, filled in by `RewardFn.batch(num_tokens=...)`
@@ -89,28 +85,3 @@ class TargetLength:
     def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
         n = _num_tokens(metadata)
         return max(0.0, 1.0 - abs(n - self.target_tokens) / self.target_tokens), {"tokens": n}
-
-
-@dataclasses.dataclass(frozen=True)
-class OverlongPenalty:
-    """DAPO (2025) soft overlong punishment in [−1, 0]; see the module docstring for the formula."""
-
-    max_tokens: int
-    buffer_tokens: int
-    name: str = "overlong"
-    time_limit_s: float | None = None
-    needs_num_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 < self.buffer_tokens <= self.max_tokens:
-            raise ConfigError(f"OverlongPenalty needs 0 < buffer_tokens <= max_tokens, got "
-                              f"buffer_tokens={self.buffer_tokens}, max_tokens={self.max_tokens}")
-
-    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
-        n = _num_tokens(metadata)
-        safe = self.max_tokens - self.buffer_tokens
-        if n <= safe:
-            return 0.0, {"tokens": n}
-        if n <= self.max_tokens:
-            return (safe - n) / self.buffer_tokens, {"tokens": n}
-        return -1.0, {"tokens": n}
