@@ -148,7 +148,7 @@ def dense_rewards(rewards_b, loss_mask_bt, token_rewards_bt=None):
 
 
 def _masked_mean_var(x_bt, m_bt):
-    """Mean and unbiased variance of x over the tokens where m > 0 (values elsewhere are ignored)."""
+    """Mean and unbiased variance of x over the tokens where m > 0 (other values are ignored)."""
     valid = m_bt > 0
     x_bt = jnp.where(valid, x_bt.astype(jnp.float32), 0.0)
     n = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
@@ -176,8 +176,8 @@ def whiten_advantages(adv_bt, mask_bt, shift_mean: bool = True, eps: float = 1e-
 
 
 @ADVANTAGES.register("reinforce_pp")
-def reinforce_pp(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, gamma=1.0, eps=1e-6,
-                 **_):
+def reinforce_pp(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, gamma=1.0,
+                 eps=1e-6, **_):
     """REINFORCE++ (Hu, 2025): discounted return-to-go of dense rewards (the sequence reward at the
     last token, -beta * KL_t folded in per token), G_t = r_t + gamma * G_{t+1} over the row's
     masked steps, then normalised over all valid tokens of the batch:

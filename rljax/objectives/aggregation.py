@@ -12,7 +12,7 @@ With l the per-token loss, m the mask, n_b = sum_t m_bt, and B' the number of no
     token-sum                sum_bt l m / 1
     seq-mean-token-mean      (1/B') sum_b [sum_t l m / n_b]        (GRPO, DeepSeekMath 2024)
     seq-mean-token-sum       (1/B') sum_b sum_t l m
-    seq-mean-token-sum-norm  sum_bt l m / (B' * L)                 (Dr. GRPO, 2025; L a constant length)
+    seq-mean-token-sum-norm  sum_bt l m / (B' * L)                 (Dr. GRPO, 2025; L a constant)
 
 The seq-mean modes average over non-empty rows only, as verl's `agg_loss` does for seq-mean-*:
 fully masked rows (dynamic-sampling filler, sequences dropped by MIS) would otherwise dilute the

@@ -11,8 +11,8 @@ With samples from pi and log r = log ref - log pi:
 As a loss on samples of pi, k2's gradient (log pi - log ref) grad log pi has expectation
 grad KL(pi || ref), while k3's, (1 - r) grad log pi, has expectation grad KL(ref || pi), the
 reverse KL, and grows like ref/pi where pi << ref. k3+ keeps k3's value (for the metric and the
-penalty's size) and takes k2's gradient. `kl(..., clamp=c)` clips any estimate to [-c, c] (verl clamps k3 to +-10); where the
-clamp binds, the gradient is zero.
+penalty's size) and takes k2's gradient. `kl(..., clamp=c)` clips any estimate to [-c, c] (verl
+clamps k3 to +-10); where the clamp binds, the gradient is zero.
 """
 
 from __future__ import annotations

@@ -167,7 +167,8 @@ def no_correction(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="to
 def truncated_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
     """Truncated importance sampling: w = min(pi_old / mu, cap), per token or per sequence
     (w = prod_t ratio_t) (Ionides, 2008; as used for sampler/trainer mismatch by verl and TRL)."""
-    w = clamped_ratio(jnp.minimum(_log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level), jnp.log(cap)))
+    log_w = _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
+    w = clamped_ratio(jnp.minimum(log_w, jnp.log(cap)))
     return w, mask_bt
 
 
