@@ -177,6 +177,19 @@ def test_kl_clamp_bounds_the_estimate(name):
     assert np.all(g[np.abs(raw) > 10] == 0) and np.all(g[np.abs(raw) < 10] != 0)
 
 
+@pytest.mark.parametrize("name", ["k3", "k3+"])
+def test_k3_is_finite_at_extreme_log_ratios(name):
+    """At log ref - log pi = +-100, k3 and k3+ (clamped or not) have finite values and gradients:
+    k3 takes exp of log r clamped to +-20, as verl does. Catches the old k3, whose expm1(100) = inf
+    in float32 gave an inf estimate, and a NaN gradient (0 * inf) under clamp=10."""
+    logp = jnp.asarray([-100.0, -0.5, -1.0], jnp.float32)
+    ref = jnp.asarray([0.0, -100.5, -1.2], jnp.float32)
+    for clamp in (None, 10.0):
+        f = lambda lp: jnp.sum(obj.kl(lp, ref, name, clamp=clamp))  # noqa: E731
+        assert np.isfinite(float(f(logp))), clamp
+        assert np.all(np.isfinite(np.asarray(jax.grad(f)(logp)))), clamp
+
+
 def test_kl_estimators_are_unbiased_where_schulman_says():
     """Sampling x ~ p: mean k1 and mean k3 approach KL(p||q); k2 is >= 0 everywhere."""
     rng = np.random.default_rng(0)

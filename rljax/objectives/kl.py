@@ -12,7 +12,9 @@ As a loss on samples of pi, k2's gradient (log pi - log ref) grad log pi has exp
 grad KL(pi || ref), while k3's, (1 - r) grad log pi, has expectation grad KL(ref || pi), the
 reverse KL, and grows like ref/pi where pi << ref. k3+ keeps k3's value (for the metric and the
 penalty's size) and takes k2's gradient. `kl(..., clamp=c)` clips any estimate to [-c, c] (verl
-clamps k3 to +-10); where the clamp binds, the gradient is zero.
+clamps k3 to +-10); where the clamp binds, the gradient is zero. k3 takes exp of log r clamped to
++-LOG_RATIO_CLAMP (20, as verl does), so it never overflows to inf, whose gradient through a
+clamp or a mask would be NaN.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rljax.objectives.losses import LOG_RATIO_CLAMP
 from rljax.objectives.registry import KL_ESTIMATORS
 
 
@@ -37,8 +40,9 @@ def k2(logp, ref_logp):
 
 @KL_ESTIMATORS.register("k3")
 def k3(logp, ref_logp):
-    """k3 = exp(log ref - log pi) - 1 - (log ref - log pi) (Schulman, 2020; used by GRPO)."""
-    log_r = ref_logp - logp
+    """k3 = exp(log ref - log pi) - 1 - (log ref - log pi) (Schulman, 2020; used by GRPO), with
+    log ref - log pi clamped to +-LOG_RATIO_CLAMP (verl's "low_var_kl")."""
+    log_r = jnp.clip(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return jnp.expm1(log_r) - log_r
 
 
