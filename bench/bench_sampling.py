@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.models import init_params, preset, save_hf
-from rljax.sampling import generate
+from rljax.sampling import SampleControls, generate
 from rljax.sampling import sampler as generate_mod
 from peak import matmul_peak_gflops, memory_bandwidth_gbs  # noqa: E402  (bench/ is on sys.path when run as a script)
 
@@ -115,9 +115,10 @@ def time_it(fn, repeats: int) -> list[float]:
 
 def bench_rljax(cfg, params, prompts, repeats, new, prefill=True):
     key = jax.random.key(0)
+    controls = SampleControls(max_new_tokens=new, temperature=1.0)
 
     def run():
-        r = generate(cfg, params, prompts, key=key, max_new_tokens=new, temperature=1.0)
+        r = generate(cfg, params, prompts, key=key, controls=controls)
         r.tokens.block_until_ready()
         assert int(r.lengths.min()) == new
         return r
@@ -128,10 +129,8 @@ def bench_rljax(cfg, params, prompts, repeats, new, prefill=True):
         return total, None
     # Everything before decode (input checks, the per-layer weight split, prefill), to isolate
     # decode for the rooflines.
-    controls = (1.0, 0, 1.0, 0.0, False, (), (), 0)
-
     def prefill():
-        state, _, decode_params = generate_mod._start(cfg, params, prompts, None, key, new, 1, controls)
+        state, _, decode_params = generate_mod.start(cfg, params, prompts, key=key, controls=controls)
         jax.block_until_ready((state, decode_params))
 
     prefill()

@@ -29,7 +29,7 @@ from rljax import sharding  # noqa: E402
 from rljax.models import init_params, preset  # noqa: E402
 from rljax.objectives import AlgorithmConfig, prompt_major_group_ids  # noqa: E402
 from rljax.optim import OptimConfig  # noqa: E402
-from rljax.sampling import generate  # noqa: E402
+from rljax.sampling import SampleControls, generate  # noqa: E402
 from rljax.update import Batch, init_train_state, update_step  # noqa: E402
 
 
@@ -76,8 +76,8 @@ def bench_sampler(cfg, mesh_cfg, devices, prompts, max_new, repeats):
     """Median seconds of one generate call on params in the sampler layout."""
     mesh = sharding.make_mesh(mesh_cfg, devices)
     params = sharding.shard_params(init_params(cfg, jax.random.key(0)), mesh, fsdp=False)
-    run = lambda: generate(cfg, params, prompts, key=jax.random.key(1), max_new_tokens=max_new,  # noqa: E731
-                           eos_ids=()).tokens
+    controls = SampleControls(max_new_tokens=max_new, eos_ids=())
+    run = lambda: generate(cfg, params, prompts, key=jax.random.key(1), controls=controls).tokens  # noqa: E731
     start = time.perf_counter()
     jax.block_until_ready(run())
     return time.perf_counter() - start, _median_seconds(run, repeats)

@@ -14,8 +14,8 @@ from hf_factory import make_checkpoint
 
 import rljax.models as M
 from rljax.errors import ConfigError, DataError
-from rljax.sampling import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, filtered_logprobs, generate,
-                            make_filters, sample_logits, stream)
+from rljax.sampling import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleControls, filtered_logprobs,
+                            generate, make_filters, sample, sample_logits, stream)
 
 CONTROLS = [  # (temperature, top_k, top_p, min_p)
     (1.0, 0, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1), (0.8, 20, 0.9, 0.05)]
@@ -103,7 +103,8 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
     with torch.no_grad():
         ref = model.generate(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
                              do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    ours = generate(cfg, params, tokens, mask, key=jax.random.key(0), max_new_tokens=new, greedy=True)
+    ours = generate(cfg, params, tokens, mask, key=jax.random.key(0),
+                    controls=SampleControls(max_new_tokens=new, greedy=True))
     np.testing.assert_array_equal(np.asarray(ours.tokens), ref[:, tokens.shape[1]:].numpy())
     assert np.asarray(ours.mask).all() and (np.asarray(ours.finish_reason) == FINISH_LENGTH).all()
 
@@ -113,8 +114,8 @@ def test_policy_logprobs_equal_trainer_scoring(tiny):
     cfg, params = tiny
     n = 3
     tokens, mask = _ragged_prompts(np.random.default_rng(1), [5, 8, 2], 8, cfg.vocab_size)
-    res = generate(cfg, params, tokens, mask, key=jax.random.key(4), max_new_tokens=40, num_samples=n,
-                   temperature=0.9, top_k=40, top_p=0.95, eos_ids=(3, 7))
+    res = generate(cfg, params, tokens, mask, key=jax.random.key(4), controls=SampleControls(
+        max_new_tokens=40, num_samples=n, temperature=0.9, top_k=40, top_p=0.95, eos_ids=(3, 7)))
     assert (np.asarray(res.lengths) > 32).any()  # some rows reach the third decode phase
     full = np.concatenate([np.repeat(tokens, n, 0), np.asarray(res.tokens)], 1)
     full_mask = np.concatenate([np.repeat(mask, n, 0), np.asarray(res.mask)], 1)
@@ -131,16 +132,18 @@ def test_policy_logprobs_equal_trainer_scoring(tiny):
 def test_phased_decode_equals_one_full_width_loop(tiny):
     """Decoding in phases (cache widths 16, 32, 64 new slots) gives the tokens and log-probs of one
     loop over a cache allocated at full width from the start."""
+    from rljax.sampling import decode as D
     from rljax.sampling import sampler as S
-    assert S.phase_widths(64) == (16, 32, 64) and S.phase_widths(64, 20) == (16, 32)
-    assert S.phase_widths(16) == (16,) and S.phase_widths(512, 100) == (16, 32, 64, 128)
+    assert D.phase_widths(64) == (16, 32, 64) and D.phase_widths(64, 20) == (16, 32)
+    assert D.phase_widths(16) == (16,) and D.phase_widths(512, 100) == (16, 32, 64, 128)
     cfg, params = tiny
     tokens, mask = _ragged_prompts(np.random.default_rng(3), [5, 8], 8, cfg.vocab_size)
-    controls = (1.0, 0, 1.0, 0.0, False, (), (), 0)
-    phased = generate(cfg, params, tokens, mask, key=jax.random.key(6), max_new_tokens=50, num_samples=2)
-    state, spec, params = S._start(cfg, params, tokens, mask, jax.random.key(6), 50, 2, controls)
-    state = S._widen_jit(state, 64 - S.phase_widths(64)[0])
-    full = S._result_jit(S._decode_jit(cfg, params, state, np.int32(50), spec=spec), width=50)
+    controls = SampleControls(max_new_tokens=50, num_samples=2)
+    phased = generate(cfg, params, tokens, mask, key=jax.random.key(6), controls=controls)
+    state, spec, layer_params = S.start(cfg, params, tokens, mask, key=jax.random.key(6), controls=controls)
+    state = D.widen(state, 64 - D.phase_widths(64)[0])
+    state = jax.jit(D.decode, static_argnames=("cfg", "spec"))(cfg, layer_params, state, np.int32(50), spec=spec)
+    full = D.to_result(state, width=50)
     np.testing.assert_array_equal(np.asarray(phased.tokens), np.asarray(full.tokens))
     # Softmax sums over a different number of (empty, zero-weight) slots: rounding-level differences.
     np.testing.assert_allclose(np.asarray(phased.logprobs), np.asarray(full.logprobs), atol=1e-5, rtol=0)
@@ -153,8 +156,8 @@ def test_generate_first_token_frequencies_match_model(tiny):
     cfg, params = tiny
     prompt = np.asarray([[5, 17, 33, 2]], np.int32)
     t, k, p, mp = 0.8, 30, 0.9, 0.02
-    res = generate(cfg, params, prompt, key=jax.random.key(7), max_new_tokens=1, num_samples=4000,
-                   temperature=t, top_k=k, top_p=p, min_p=mp)
+    res = generate(cfg, params, prompt, key=jax.random.key(7), controls=SampleControls(
+        max_new_tokens=1, num_samples=4000, temperature=t, top_k=k, top_p=p, min_p=mp))
     logits, _ = M.forward(cfg, params, jnp.asarray(prompt))
     ref = _reference_probs(np.asarray(logits)[0, -1], t, k, p, mp)
     tokens = np.asarray(res.tokens)[:, 0]
@@ -167,13 +170,13 @@ def test_same_key_same_tokens_and_stream_agrees(tiny):
     exactly `generate`'s tokens in chunks."""
     cfg, params = tiny
     tokens, mask = _ragged_prompts(np.random.default_rng(2), [4, 7], 7, cfg.vocab_size)
-    kw = dict(max_new_tokens=20, num_samples=2, temperature=1.0, eos_ids=(9,))
-    a = generate(cfg, params, tokens, mask, key=jax.random.key(1), **kw)
-    b = generate(cfg, params, tokens, mask, key=jax.random.key(1), **kw)
-    c = generate(cfg, params, tokens, mask, key=jax.random.key(2), **kw)
+    controls = SampleControls(max_new_tokens=20, num_samples=2, temperature=1.0, eos_ids=(9,))
+    a = generate(cfg, params, tokens, mask, key=jax.random.key(1), controls=controls)
+    b = generate(cfg, params, tokens, mask, key=jax.random.key(1), controls=controls)
+    c = generate(cfg, params, tokens, mask, key=jax.random.key(2), controls=controls)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
-    pieces = list(stream(cfg, params, tokens, mask, key=jax.random.key(1), chunk=6, **kw))
+    pieces = list(stream(cfg, params, tokens, mask, key=jax.random.key(1), controls=controls, chunk=6))
     assert len(pieces) >= 2
     streamed = np.concatenate([t for t, _ in pieces], 1)
     width = streamed.shape[1]
@@ -186,12 +189,12 @@ def test_eos_stop_sequences_and_lengths(tiny):
     to max_new_tokens; lengths, mask, padding and finish reasons say which."""
     cfg, params = tiny
     tokens, mask = _ragged_prompts(np.random.default_rng(3), [5, 5, 5], 5, cfg.vocab_size)
-    base = np.asarray(generate(cfg, params, tokens, mask, key=jax.random.key(0), max_new_tokens=10,
-                               greedy=True).tokens)
+    greedy = SampleControls(max_new_tokens=10, greedy=True)
+    base = np.asarray(generate(cfg, params, tokens, mask, key=jax.random.key(0), controls=greedy).tokens)
     eos = int(base[0, 3])
     stop = (int(base[1, 4]), int(base[1, 5]))
-    res = generate(cfg, params, tokens, mask, key=jax.random.key(0), max_new_tokens=10, greedy=True,
-                   eos_ids=(eos,), stop_sequences=(stop,), pad_id=1)
+    res = generate(cfg, params, tokens, mask, key=jax.random.key(0),
+                   controls=greedy.replace(eos_ids=(eos,), stop_sequences=(stop,), pad_id=1))
     lengths, reasons = np.asarray(res.lengths), np.asarray(res.finish_reason)
     expect_len = []
     for row in range(3):
@@ -211,8 +214,8 @@ def test_eos_stop_sequences_and_lengths(tiny):
 
 
 def test_no_recompile_within_a_bucket(tiny):
-    """A second call whose prompt length and max_new_tokens fall in the same buckets compiles
-    nothing (backend compilations counted through jax.monitoring)."""
+    """A second call whose prompt length and max_new_tokens fall in the same buckets, with another
+    temperature, compiles nothing (backend compilations counted through jax.monitoring)."""
     cfg, params = tiny
     compiles = []
 
@@ -223,25 +226,119 @@ def test_no_recompile_within_a_bucket(tiny):
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         rng = np.random.default_rng(4)
-        kw = dict(key=jax.random.key(0), max_new_tokens=9, num_samples=2, temperature=0.7, top_k=8)
-        generate(cfg, params, *_ragged_prompts(rng, [3, 6], 6, cfg.vocab_size), **kw)
+        controls = SampleControls(max_new_tokens=9, num_samples=2, temperature=0.7, top_k=8)
+        generate(cfg, params, *_ragged_prompts(rng, [3, 6], 6, cfg.vocab_size), key=jax.random.key(0),
+                 controls=controls)
         first = len(compiles)
-        generate(cfg, params, *_ragged_prompts(rng, [10, 2], 11, cfg.vocab_size), **{**kw, "temperature": 1.2})
+        generate(cfg, params, *_ragged_prompts(rng, [10, 2], 11, cfg.vocab_size), key=jax.random.key(0),
+                 controls=controls.replace(temperature=1.2))
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert first >= 2 and len(compiles) == first
 
 
 def test_bad_inputs_raise_one_line_errors(tiny):
-    """Empty prompts, out-of-vocabulary ids and bad controls raise DataError / ConfigError."""
+    """Empty prompts and out-of-vocabulary ids raise DataError."""
     cfg, params = tiny
-    key = jax.random.key(0)
+    key, controls = jax.random.key(0), SampleControls(max_new_tokens=2)
     with pytest.raises(DataError, match="at least one real token"):
-        generate(cfg, params, np.zeros((1, 3), np.int32), np.zeros((1, 3), bool), key=key, max_new_tokens=2)
+        generate(cfg, params, np.zeros((1, 3), np.int32), np.zeros((1, 3), bool), key=key, controls=controls)
     with pytest.raises(DataError, match="token ids"):
-        generate(cfg, params, np.full((1, 3), 999, np.int32), key=key, max_new_tokens=2)
+        generate(cfg, params, np.full((1, 3), 999, np.int32), key=key, controls=controls)
+
+
+# ----------------------------------------------------------------------------- SampleControls
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_new_tokens", 0), ("num_samples", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),
+    ("min_p", 1.0), ("min_p", -0.1), ("top_k", -1), ("stop_sequences", ((4,), ())), ("top_k", "many")])
+def test_bad_control_is_one_config_error_line(field, value):
+    """Each out-of-range control is rejected when the controls are built (before any model runs),
+    as one ConfigError line that names the field."""
+    with pytest.raises(ConfigError) as err:
+        SampleControls(**{"max_new_tokens": 4, field: value})
+    assert "\n" not in str(err.value) and str(err.value).startswith("sampling: ")
+    assert field in str(err.value) or field == "top_k" and "number" in str(err.value)
+
+
+def test_controls_helpers_and_hashable_static_half():
+    """`replace` re-validates; `greedy_version` keeps limits and stops; `with_tokenizer` fills only
+    unset EOS / pad ids; lists become tuples, so controls and their static half are hashable."""
+    c = SampleControls(max_new_tokens=6, num_samples=4, temperature=0.7, top_p=0.95, eos_ids=[5],
+                       stop_sequences=[[1, 2]])
+    assert c.eos_ids == (5,) and c.stop_sequences == ((1, 2),) and hash(c) == hash(c.replace())
+    g = c.greedy_version()
+    assert (g.greedy, g.num_samples, g.max_new_tokens, g.stop_sequences) == (True, 1, 6, ((1, 2),))
+    assert g.static().filters.greedy and not c.static().filters.greedy
     with pytest.raises(ConfigError, match="top_p"):
-        generate(cfg, params, np.ones((1, 3), np.int32), key=key, max_new_tokens=2, top_p=0.0)
+        c.replace(top_p=0.0)
+
+    class Tok:
+        eos_ids, pad_id = (2, 3), 9
+
+    assert c.with_tokenizer(Tok()).eos_ids == (5,)  # set explicitly: kept
+    filled = SampleControls(max_new_tokens=6).with_tokenizer(Tok(), extra_eos_ids=(3, 4))
+    assert (filled.eos_ids, filled.pad_id) == ((2, 3, 4), 9)
+    unset = SampleControls(max_new_tokens=6).static()
+    assert (unset.eos_ids, unset.pad_id) == ((), 0)
+    # Traced values stay out of the static half: another temperature or length compiles nothing new.
+    assert c.static() == c.replace(temperature=1.3, top_p=0.9, max_new_tokens=7).static()
+
+
+# Tokens drawn before SampleControls became the only form (generate's keyword arguments), for
+# qwen2-test init_params(key 0, std 0.2): greedy, then top-k/top-p/min-p sampling with an EOS id and a
+# stop sequence (row 0 stops on EOS 56, row 1 on the stop sequence (38, 0), pad 1).
+_PROMPTS = (np.asarray([[0, 0, 5, 17, 33], [4, 8, 15, 16, 23]], np.int32),
+            np.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], bool))
+_GREEDY = [[123, 76, 92, 14, 119, 14, 113, 58], [39, 118, 63, 114, 3, 116, 8, 54]]
+_SAMPLED = [[123, 76, 78, 92, 97, 56, 1, 1], [123, 14, 69, 38, 0, 1, 1, 1],
+            [63, 18, 17, 102, 55, 84, 42, 25], [99, 49, 30, 107, 122, 113, 90, 77]]
+
+
+def test_sample_controls_are_the_one_form(tiny):
+    """generate, stream and the traceable sample take one SampleControls and draw the tokens the
+    old keyword-argument API drew (fixed expected runs); the keyword form is gone."""
+    from rljax.sampling import sampler as S
+    cfg, params = tiny
+    tokens, mask = _PROMPTS
+    greedy = SampleControls(max_new_tokens=8, greedy=True)
+    sampled = SampleControls(max_new_tokens=8, num_samples=2, temperature=0.9, top_k=40, top_p=0.95, min_p=0.01,
+                             eos_ids=(56,), stop_sequences=((38, 0),), pad_id=1)
+    g = generate(cfg, params, tokens, mask, key=jax.random.key(0), controls=greedy)
+    assert np.asarray(g.tokens).tolist() == _GREEDY
+    res = generate(cfg, params, tokens, mask, key=jax.random.key(3), controls=sampled)
+    assert np.asarray(res.tokens).tolist() == _SAMPLED
+    assert np.asarray(res.lengths).tolist() == [6, 5, 8, 8]
+    assert np.asarray(res.finish_reason).tolist() == [FINISH_EOS, FINISH_STOP, FINISH_LENGTH, FINISH_LENGTH]
+
+    streamed = list(stream(cfg, params, tokens, mask, key=jax.random.key(3), controls=sampled, chunk=3))
+    assert np.concatenate([t for t, _ in streamed], 1).tolist() == _SAMPLED
+    padded, padded_mask = S.pad_prompts(cfg, tokens, mask, pad_id=1)
+    traced = jax.jit(sample, static_argnames=("cfg", "controls"))(
+        cfg, params, padded, padded_mask, jax.random.key(3), controls=sampled)
+    assert np.asarray(traced.tokens).tolist() == _SAMPLED
+    np.testing.assert_allclose(np.asarray(traced.logprobs), np.asarray(res.logprobs), atol=1e-5, rtol=0)
+    with pytest.raises(TypeError):
+        generate(cfg, params, tokens, mask, key=jax.random.key(0), max_new_tokens=8, greedy=True)
+
+
+def test_train_config_sampling_is_sample_controls(tmp_path):
+    """A recipe's [sampling] builds a SampleControls (no mirrored section): its keys load, EOS and pad
+    default to the tokenizer's, and a bad value is one ConfigError line."""
+    from rljax.train.config import load_config
+    from rljax.train.loop import sample_controls
+    from rljax.train.setup import build_tokenizer
+
+    cfg = load_config(overrides=["sampling.top_k=5", "sampling.max_new_tokens=7"])
+    assert isinstance(cfg.sampling, SampleControls)
+    assert (cfg.sampling.top_k, cfg.sampling.max_new_tokens, cfg.sampling.eos_ids, cfg.sampling.pad_id) == (
+        5, 7, None, None)
+    tok = build_tokenizer(cfg.model)
+    controls = sample_controls(cfg, tok)
+    assert controls == cfg.sampling.replace(eos_ids=tuple(tok.eos_ids), pad_id=tok.pad_id)
+    with pytest.raises(ConfigError, match="^sampling: top_p"):
+        load_config(overrides=["sampling.top_p=0"])
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -265,8 +362,8 @@ def test_cli_sample_streams_text(tmp_path, capsys):
         "chat_template": "{% for m in messages %}w5 {{ m['content'] }} w6 {% endfor %}w7"}))
     cfg, params = M.load_hf(tmp_path)
     prompt = [5, 10, 11, 6, 7]
-    want = np.asarray(generate(cfg, params, np.asarray([prompt]), key=jax.random.key(0), max_new_tokens=5,
-                               greedy=True, eos_ids=(1,)).tokens)[0]
+    want = np.asarray(generate(cfg, params, np.asarray([prompt]), key=jax.random.key(0),
+                               controls=SampleControls(max_new_tokens=5, greedy=True, eos_ids=(1,))).tokens)[0]
     want = " ".join(f"w{t}" for t in want if t > 1)  # <unk> and <eos> are special: not printed
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "w10 w11", "--chat", "--greedy",
                  "--max-new-tokens", "5"]) == 0

@@ -307,13 +307,13 @@ def test_sampler_on_sharded_params_equals_one_device(layout_name):
     the same tokens with the same log-probs (<= 1e-5) as on one device (temperature 1, 2 samples).
     Where the mesh's batch axes (data x fsdp: 4 devices) divide the 4 prompts, the rows are split
     over them; fsdp8's 8 devices do not divide them, so its rows stay replicated."""
-    from rljax.sampling import generate
+    from rljax.sampling import SampleControls, generate
     cfg = preset("qwen2-test")
     params = init_params(cfg, jax.random.key(2))
     prompts = np.random.default_rng(1).integers(1, cfg.vocab_size, (4, 5)).astype(np.int32)
     mask = np.ones_like(prompts, bool)
     mask[0, :2] = False
-    kwargs = dict(key=jax.random.key(5), max_new_tokens=6, num_samples=2)
+    kwargs = dict(key=jax.random.key(5), controls=SampleControls(max_new_tokens=6, num_samples=2))
     ref = generate(cfg, params, prompts, mask, **kwargs)
     layout = sharding.sampler_layout(sharding.make_mesh(sharding.MeshConfig(*w.LAYOUTS[layout_name])))
     got = generate(cfg, sharding.shard_params(params, layout.mesh, fsdp=False), prompts, mask, **kwargs)
@@ -330,11 +330,12 @@ def test_generate_splits_rows_over_a_data_mesh():
     splits the same way and yields the same tokens."""
     from jax.sharding import NamedSharding
 
-    from rljax.sampling import generate, rows_sharding, stream
+    from rljax.sampling import SampleControls, generate, rows_sharding, stream
     cfg = preset("qwen2-test")
     params = init_params(cfg, jax.random.key(3))
     prompts = np.random.default_rng(2).integers(1, cfg.vocab_size, (8, 6)).astype(np.int32)
-    kwargs = dict(key=jax.random.key(7), max_new_tokens=20, num_samples=3, temperature=0.8, top_k=20)
+    kwargs = dict(key=jax.random.key(7),
+                  controls=SampleControls(max_new_tokens=20, num_samples=3, temperature=0.8, top_k=20))
     ref = generate(cfg, params, prompts, **kwargs)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=8, fsdp=1, tensor=1))
     replicated = jax.device_put(params, NamedSharding(mesh, P()))

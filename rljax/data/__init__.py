@@ -6,19 +6,19 @@
     it = iter(data.dataset); batch = next(it); state = it.get_state()   # -> checkpoint
 """
 
-from rljax.data.example import Example, normalize_question, question_key
+from rljax.data.example import Example, normalize_question, question_key, verifier_metadata
 from rljax.data.filtering import GroupSelection, accuracy_band, dynamic_sample, informative_groups, refill
 from rljax.data.pipeline import PromptBatch, PromptData, index_batches, prompt_batches, shard_rows
 from rljax.data.sources import (SOURCES, FieldMap, TaskSource, from_jsonl, from_parquet, from_reasoning_gym,
                                 from_tfds, load_task)
 from rljax.data.splits import drop_overlap, heldout_split
-from rljax.data.templates import PromptFormat, pick_bucket, render_prompt
+from rljax.data.templates import EncodedPrompts, PromptFormat, encode_prompts, pick_bucket, render_prompt
 
 __all__ = [
-    "Example", "normalize_question", "question_key",
+    "Example", "normalize_question", "question_key", "verifier_metadata",
     "GroupSelection", "accuracy_band", "dynamic_sample", "informative_groups", "refill",
     "PromptBatch", "PromptData", "index_batches", "prompt_batches", "shard_rows",
     "SOURCES", "FieldMap", "TaskSource", "from_jsonl", "from_parquet", "from_reasoning_gym", "from_tfds",
     "load_task", "drop_overlap", "heldout_split",
-    "PromptFormat", "pick_bucket", "render_prompt",
+    "EncodedPrompts", "PromptFormat", "encode_prompts", "pick_bucket", "render_prompt",
 ]

@@ -3,7 +3,8 @@
 An `Example` is what every task source yields: the question text (or chat messages), the
 reference answer, optional unit tests, a metadata dict and an id that does not change between
 runs. Verifiers read `answer`/`tests`; reasoning-gym tasks also keep their raw `entry` so the
-generator's own `score_answer(answer, entry)` can grade a completion.
+generator's own `score_answer(answer, entry)` can grade a completion. `verifier_metadata` is the
+contract between the two: the one dict a verifier reads for an example.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rljax.errors import DataError
+from rljax.rewards.reasoning import ENTRY_KEY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,12 @@ class Example:
     tests: Any = None
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     entry: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def verifier_metadata(example: Example) -> dict[str, Any]:
+    """What verifiers read: the answer, tests, the raw task entry and the example's metadata."""
+    return {**example.metadata, "answer": example.answer, "tests": example.tests, ENTRY_KEY: example.entry,
+            "id": example.id}
 
 
 _SPACE = re.compile(r"\s+")

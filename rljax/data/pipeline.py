@@ -21,7 +21,7 @@ import grain
 import numpy as np
 
 from rljax.data.example import Example
-from rljax.data.templates import PromptFormat, PromptTokenizer, pick_bucket, render_prompt
+from rljax.data.templates import PromptFormat, PromptTokenizer, encode_prompts, pick_bucket
 from rljax.errors import ConfigError, DataError
 from rljax.tokenizers import pad_batch
 
@@ -106,7 +106,8 @@ def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, b
                    max_prompt_len: int, fmt: PromptFormat = PromptFormat(), buckets: Sequence[int] | None = None,
                    add_bos: bool = False, shuffle: bool = True, num_epochs: int | None = None,
                    process_index: int | None = None, process_count: int | None = None) -> PromptData:
-    """Render and tokenise every prompt once, drop those over `max_prompt_len`, batch the rest.
+    """Render and tokenise every prompt once (`encode_prompts`: a prompt over `max_prompt_len`
+    tokens is dropped, never cut), then batch the rest.
 
     `batch_size` is global (all processes together). Prompts are left-padded to the smallest of
     `buckets` (default: just `max_prompt_len`) that fits the batch's longest prompt. Dropped
@@ -115,14 +116,8 @@ def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, b
     buckets = tuple(sorted(buckets or (max_prompt_len,)))
     if buckets[-1] > max_prompt_len:
         raise ConfigError(f"bucket {buckets[-1]} exceeds max_prompt_len={max_prompt_len}")
-    texts = [render_prompt(ex, fmt, tokenizer) for ex in examples]
-    if hasattr(tokenizer, "encode_batch"):
-        ids = tokenizer.encode_batch(texts, add_bos=add_bos)
-    else:
-        ids = [tokenizer.encode(t, add_bos=add_bos) for t in texts]
-    keep = [i for i, t in enumerate(ids) if len(t) <= max_prompt_len]
-    kept_examples = tuple(examples[i] for i in keep)
-    kept_ids = [list(ids[i]) for i in keep]
+    encoded = encode_prompts(examples, tokenizer, fmt, max_prompt_len=max_prompt_len, add_bos=add_bos)
+    kept_examples, kept_ids = encoded.examples, encoded.ids
     index_ds = index_batches(len(kept_examples), batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
                              process_index=process_index, process_count=process_count)
     pad_id = tokenizer.pad_id
@@ -134,4 +129,4 @@ def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, b
         return PromptBatch(tokens_bt, mask_bt, idx_b, tuple(kept_examples[i] for i in idx_b))
 
     local = batch_size // _process(process_index, process_count)[1]
-    return PromptData(index_ds.map(to_batch), kept_examples, len(examples) - len(keep), local)
+    return PromptData(index_ds.map(to_batch), kept_examples, encoded.num_too_long, local)

@@ -1,7 +1,9 @@
-"""Prompt text from examples, and the bucket each batch of prompt tokens is padded to.
+"""Prompt text from examples, its tokens, and the bucket each batch of prompt tokens is padded to.
 
 A `PromptFormat` is a format string over ``{question}`` and the example's metadata keys,
-optionally wrapped in the tokenizer's chat template. Prompts are left-padded (by
+optionally wrapped in the tokenizer's chat template. `encode_prompts` renders and tokenises a
+set of examples once, for training, evaluation and the warm start alike, with one rule for a
+prompt longer than the limit: it is dropped and counted, never cut. Prompts are left-padded (by
 `rljax.tokenizers.pad_batch`) so every row's last prompt token sits in the same column, where
 the sampler starts generating.
 The reference answer is deliberately not a template field: it must never reach the prompt.
@@ -19,7 +21,8 @@ from rljax.errors import ConfigError, DataError
 
 
 class PromptTokenizer(Protocol):
-    """The part of `rljax.tokenizers.Tokenizer` that prompt rendering uses."""
+    """The part of `rljax.tokenizers.Tokenizer` that prompt rendering uses (`encode_batch` is used
+    when the tokenizer has it)."""
 
     pad_id: int
 
@@ -77,6 +80,38 @@ def render_prompt(example: Example, fmt: PromptFormat, tokenizer: PromptTokenize
     if tokenizer is None:
         raise ConfigError("a chat prompt format needs a tokenizer with a chat template")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedPrompts:
+    """The prompts that fit: `examples[i]` renders and encodes to `ids[i]` (at most `max_prompt_len`
+    ids); `num_too_long` examples were dropped for encoding to more."""
+
+    examples: tuple[Example, ...]
+    ids: tuple[tuple[int, ...], ...]
+    num_too_long: int
+    max_prompt_len: int
+
+
+def encode_prompts(examples: Sequence[Example], tokenizer: PromptTokenizer, fmt: PromptFormat, *,
+                   max_prompt_len: int, add_bos: bool) -> EncodedPrompts:
+    """Renders (`render_prompt`) and tokenises every example's prompt, keeping those that fit.
+
+    The rule: a prompt whose encoding is longer than `max_prompt_len` ids is dropped and counted
+    in `num_too_long`, never cut. Cutting its start would drop the instructions or the question's
+    beginning, and cutting its end the generation prompt, so the model would answer a question
+    nobody asked. The data pipeline, the evaluator and the warm start all use this function.
+    """
+    if max_prompt_len < 1:
+        raise ConfigError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+    texts = [render_prompt(ex, fmt, tokenizer) for ex in examples]
+    if hasattr(tokenizer, "encode_batch"):
+        ids = tokenizer.encode_batch(texts, add_bos=add_bos)
+    else:
+        ids = [tokenizer.encode(t, add_bos=add_bos) for t in texts]
+    keep = [i for i, t in enumerate(ids) if len(t) <= max_prompt_len]
+    return EncodedPrompts(tuple(examples[i] for i in keep), tuple(tuple(ids[i]) for i in keep),
+                          len(examples) - len(keep), max_prompt_len)
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:

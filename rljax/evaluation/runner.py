@@ -1,8 +1,11 @@
 """Held-out evaluation: greedy accuracy, unbiased pass@k and mean@k over seeds.
 
-Prompts are tokenised once and padded to one shape; the eval set is split into equal batches
-(the last one topped up with repeats that are not counted), so evaluation compiles once.
-Correctness is the reward's `correct` part (1.0 means solved).
+Prompts are rendered and tokenised once by `rljax.data.encode_prompts` (a prompt longer than
+`max_prompt_len` is dropped and counted in `EvalSetup.num_too_long`, as in training), and padded
+to one shape; the eval set is split into equal batches (the last one topped up with repeats that
+are not counted), so evaluation compiles once. Correctness is the reward's `correct` part (1.0
+means solved). Greedy and sampled evaluation derive their controls from the setup's one
+`SampleControls` (`greedy_version`, `replace`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from rljax.data.example import Example
-from rljax.data.templates import PromptFormat, render_prompt
+from rljax.data.example import Example, verifier_metadata
+from rljax.data.templates import PromptFormat, encode_prompts
 from rljax.evaluation.metrics import mean_pass_at_k, mean_with_ci
 from rljax.rewards import RewardFn
 from rljax.sampling import SampleControls, generate
@@ -24,7 +27,11 @@ from rljax.tokenizers import pad_batch
 
 @dataclasses.dataclass(frozen=True)
 class EvalSetup:
-    """A held-out set ready for the sampler: padded prompt tokens plus what verifiers read."""
+    """A held-out set ready for the sampler: padded prompt tokens plus what verifiers read.
+
+    `examples` are the problems whose prompts fit; `num_too_long` more were dropped for encoding
+    to more than `max_prompt_len` tokens. `controls` has the tokenizer's EOS and pad ids filled.
+    """
 
     model_cfg: Any
     examples: tuple[Example, ...]
@@ -35,17 +42,16 @@ class EvalSetup:
     reward_fn: RewardFn
     controls: SampleControls
     batch_size: int
+    num_too_long: int = 0
 
     @classmethod
     def build(cls, model_cfg, examples: Sequence[Example], tokenizer, fmt: PromptFormat, reward_fn: RewardFn,
               controls: SampleControls, *, max_prompt_len: int, add_bos: bool = True, batch_size: int = 200):
-        from rljax.train.setup import verifier_metadata
-
-        ids = tokenizer.encode_batch([render_prompt(e, fmt, tokenizer) for e in examples], add_bos=add_bos)
-        ids = [i[-max_prompt_len:] for i in ids]
-        tokens, mask = pad_batch(ids, tokenizer.pad_id, side="left", bucket=16)
-        return cls(model_cfg, tuple(examples), tokens, mask, tuple(verifier_metadata(e) for e in examples), tokenizer,
-                   reward_fn, controls, min(batch_size, max(len(examples), 1)))
+        encoded = encode_prompts(examples, tokenizer, fmt, max_prompt_len=max_prompt_len, add_bos=add_bos)
+        tokens, mask = pad_batch(encoded.ids, tokenizer.pad_id, side="left", bucket=16)
+        return cls(model_cfg, encoded.examples, tokens, mask, tuple(verifier_metadata(e) for e in encoded.examples),
+                   tokenizer, reward_fn, controls.with_tokenizer(tokenizer),
+                   min(batch_size, max(len(encoded.examples), 1)), encoded.num_too_long)
 
     def batches(self):
         n, b = len(self.examples), self.batch_size
@@ -54,45 +60,44 @@ class EvalSetup:
             yield idx, min(b, n - start)
 
 
-def _correct(setup: EvalSetup, tokens, mask, idx) -> np.ndarray:
+def _correct(setup: EvalSetup, params, idx, controls: SampleControls, key) -> np.ndarray:
+    """[len(idx), n] bool: whether each of the n completions of problems `idx` is correct."""
+    n = controls.num_samples
+    out = generate(setup.model_cfg, params, setup.tokens_bt[idx], setup.mask_bt[idx], key=key, controls=controls)
+    tokens, mask = jax.device_get((out.tokens, out.mask))
     texts = setup.tokenizer.decode_batch([row[m].tolist() for row, m in zip(tokens, mask)])
-    rewards, _ = setup.reward_fn.batch([setup.metadata[i] for i in idx], texts, num_tokens=mask.sum(1))
+    rows = np.repeat(idx, n)
+    rewards, _ = setup.reward_fn.batch([setup.metadata[i] for i in rows], texts, num_tokens=mask.sum(1))
     part = rewards.parts.get("correct", rewards.total_b)
-    return np.asarray(part) >= 1.0
+    return (np.asarray(part) >= 1.0).reshape(len(idx), n)
 
 
 def greedy_accuracy(setup: EvalSetup, params) -> float:
-    """Fraction of held-out problems solved by the greedy completion."""
+    """Fraction of held-out problems solved by the greedy completion (NaN for an empty set)."""
     if not setup.examples:
         return float("nan")
-    cfg = setup.controls
-    solved = []
-    for idx, real in setup.batches():
-        out = generate(setup.model_cfg, params, setup.tokens_bt[idx], setup.mask_bt[idx],
-                       key=jax.random.key(0), max_new_tokens=cfg.max_new_tokens, greedy=True,
-                       eos_ids=cfg.eos_ids, pad_id=cfg.pad_id)
-        tokens, mask = jax.device_get((out.tokens, out.mask))
-        solved.append(_correct(setup, tokens, mask, idx)[:real])
+    controls = setup.controls.greedy_version()
+    solved = [_correct(setup, params, idx, controls, jax.random.key(0))[:real] for idx, real in setup.batches()]
     return float(np.mean(np.concatenate(solved)))
 
 
 def sampled_eval(setup: EvalSetup, params, *, num_samples: int, ks: Sequence[int], seeds: int,
                  temperature: float = 1.0) -> dict[str, float]:
-    """pass@k (Chen et al., 2021) for each k, and mean@k over `seeds` with a 95% interval."""
-    cfg = setup.controls
+    """pass@k (Chen et al., 2021) for each k, and mean@n over `seeds` with a 95% interval.
+
+    Each seed draws `num_samples` completions per problem with the setup's controls at
+    `temperature`. mean@n is the fraction correct over all of a seed's completions, averaged over
+    seeds with a Student-t interval (`mean_with_ci`); pass@k is the unbiased estimate from the n
+    completions of each problem, averaged over problems, then over seeds.
+    """
+    if not setup.examples:
+        return {f"mean@{num_samples}": float("nan"), **{f"pass@{k}": float("nan") for k in ks}}
+    controls = setup.controls.replace(num_samples=num_samples, temperature=temperature, greedy=False)
     per_seed_acc, per_seed_pass = [], {k: [] for k in ks}
     for seed in range(seeds):
-        correct = []
-        for idx, real in setup.batches():
-            out = generate(setup.model_cfg, params, setup.tokens_bt[idx], setup.mask_bt[idx],
-                           key=jax.random.fold_in(jax.random.key(seed), int(idx[0])),
-                           max_new_tokens=cfg.max_new_tokens, num_samples=num_samples, temperature=temperature,
-                           top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p, eos_ids=cfg.eos_ids,
-                           pad_id=cfg.pad_id)
-            tokens, mask = jax.device_get((out.tokens, out.mask))
-            ok = _correct(setup, tokens, mask, np.repeat(idx, num_samples)).reshape(len(idx), num_samples)
-            correct.append(ok[:real])
-        table = np.concatenate(correct)
+        key = jax.random.key(seed)
+        table = np.concatenate([_correct(setup, params, idx, controls, jax.random.fold_in(key, int(idx[0])))[:real]
+                                for idx, real in setup.batches()])
         per_seed_acc.append(table.mean())
         for k in ks:
             per_seed_pass[k].append(mean_pass_at_k(table, k))

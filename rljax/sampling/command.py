@@ -32,13 +32,16 @@ def _sample(args) -> int:
     from rljax import tokenizers
     from rljax.errors import CheckpointError, DataError
     from rljax.models import load_hf
-    from rljax.sampling import stream
+    from rljax.sampling import SampleControls, stream
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt} has no config.json; pass a Hugging Face checkpoint directory")
     if not args.prompt:
         raise DataError("--prompt is empty; pass the text to continue")
+    controls = SampleControls(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              greedy=args.greedy)  # checked before the checkpoint loads
     cfg, params = load_hf(ckpt)
     tok = tokenizers.load(ckpt)
     if args.chat:
@@ -48,11 +51,8 @@ def _sample(args) -> int:
         ids = tok.encode(args.prompt, add_bos=tok.bos_id is not None)
     if not ids:
         raise DataError("the prompt encodes to no tokens; pass a longer prompt")
-    eos_ids = tuple(dict.fromkeys([*tok.eos_ids, *cfg.eos_ids]))
-    chunks = stream(cfg, params, np.asarray([ids], np.int32), key=jax.random.key(args.seed),
-                    max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    greedy=args.greedy, eos_ids=eos_ids, pad_id=tok.pad_id or 0)
+    controls = controls.with_tokenizer(tok, extra_eos_ids=cfg.eos_ids)
+    chunks = stream(cfg, params, np.asarray([ids], np.int32), key=jax.random.key(args.seed), controls=controls)
     live = args.num_samples == 1 and not args.no_stream
     rows = [[] for _ in range(args.num_samples)]
     shown = ""

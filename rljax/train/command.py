@@ -76,7 +76,7 @@ def _eval(args: argparse.Namespace) -> int:
     evaluator = EvalSetup.build(model_cfg, held_out[:cfg.eval.size], tokenizer, setup.prompt_format(cfg.data),
                                 setup.build_reward(cfg.reward), sample_controls(cfg, tokenizer),
                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
-    result = {"step": step, "problems": len(evaluator.examples),
+    result = {"step": step, "problems": len(evaluator.examples), "prompts_too_long": evaluator.num_too_long,
               "greedy_accuracy": greedy_accuracy(evaluator, params)}
     samples = args.samples or cfg.eval.num_samples
     result.update(sampled_eval(evaluator, params, num_samples=samples,

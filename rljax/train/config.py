@@ -15,6 +15,7 @@ from rljax.config_io import apply_overrides, build, load_toml, to_dict
 from rljax.errors import ConfigError
 from rljax.objectives.config import AlgorithmConfig
 from rljax.optim import OptimConfig
+from rljax.sampling.controls import SampleControls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +87,6 @@ class RewardSection:
     format_pattern: str = r"(?s)^<think>.*</think>\s*<answer>.*</answer>\s*$"
     time_limit_s: float = 5.0
     inline: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingSection:
-    num_samples: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +182,9 @@ class TrainConfig:
     model: ModelSection = ModelSection(tokenizer="chars:0123456789+-= ")
     data: DataSection = DataSection()
     reward: RewardSection = RewardSection()
-    sampling: SamplingSection = SamplingSection()
+    # The rollout's controls, as the sampler takes them; `[sampling]` in a recipe sets any field.
+    # eos_ids / pad_id stay None ("the tokenizer's"): fill them with `cfg.sampling.with_tokenizer(tok)`.
+    sampling: SampleControls = SampleControls(max_new_tokens=8, num_samples=8)
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optim: OptimConfig = OptimConfig()
     warm_start: WarmStartSection = WarmStartSection()

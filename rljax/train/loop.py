@@ -54,10 +54,8 @@ class RunResult:
 
 
 def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
-    s = cfg.sampling
-    return SampleControls(max_new_tokens=s.max_new_tokens, num_samples=s.num_samples, temperature=s.temperature,
-                          top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, eos_ids=tuple(tokenizer.eos_ids),
-                          pad_id=tokenizer.pad_id)
+    """The run's sampling controls with the tokenizer's EOS and pad ids where the recipe sets none."""
+    return cfg.sampling.with_tokenizer(tokenizer)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:

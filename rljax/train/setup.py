@@ -10,13 +10,12 @@ from typing import Any
 import jax
 
 from rljax import rewards
-from rljax.data.example import Example
+from rljax.data.example import Example, verifier_metadata  # noqa: F401 (re-exported for the loop)
 from rljax.data.sources import load_task
 from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat
 from rljax.errors import ConfigError
 from rljax.models import ModelConfig, init_params, load_hf
-from rljax.rewards.reasoning import ENTRY_KEY
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
 from rljax.train.config import DataSection, MeshSection, ModelSection, RewardSection, TrainConfig
@@ -102,12 +101,6 @@ def build_reward(section: RewardSection) -> rewards.RewardFn:
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
     return rewards.compose(**terms)
-
-
-def verifier_metadata(example: Example) -> dict[str, Any]:
-    """What verifiers read: the answer, tests, the raw task entry and the example's metadata."""
-    return {**example.metadata, "answer": example.answer, "tests": example.tests, ENTRY_KEY: example.entry,
-            "id": example.id}
 
 
 def run_summary(cfg: TrainConfig, model_cfg: ModelConfig, params: Any, train: tuple, held: tuple) -> str:

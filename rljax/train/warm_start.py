@@ -2,11 +2,14 @@
 
 The loss is the mean negative log-likelihood of the completion tokens (answer + EOS) given the
 prompt, computed with the same scoring function the RL update uses. Batches use the RL layout:
-the prompt left-padded to P columns, the completion right-padded to C columns after it.
+the prompt left-padded to P columns, the completion right-padded to C columns after it. Prompts
+are encoded by `rljax.data.encode_prompts`, so a prompt over the data's `max_prompt_tokens` is
+dropped as in RL, and P is at most that limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -15,8 +18,39 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rljax.data.example import Example
+from rljax.data.templates import PromptFormat, encode_prompts
+from rljax.errors import DataError
 from rljax.models import ModelConfig, token_logprobs
 from rljax.tokenizers import pad_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTPairs:
+    """(prompt, reference answer + EOS) id pairs for the warm start; `prompt_len` (P) and
+    `completion_len` (C) are the padded widths, `num_too_long` the prompts dropped by the limit."""
+
+    examples: tuple[Example, ...]
+    prompt_ids: tuple[tuple[int, ...], ...]
+    completion_ids: tuple[tuple[int, ...], ...]
+    prompt_len: int
+    completion_len: int
+    num_too_long: int
+
+
+def sft_pairs(examples: Sequence[Example], tokenizer, fmt: PromptFormat, *, max_prompt_len: int, add_bos: bool,
+              max_completion_len: int) -> SFTPairs:
+    """Encodes the prompts (`encode_prompts`: over-long ones dropped) and the answers + EOS.
+
+    P is the longest kept prompt (so at most `max_prompt_len`); C the longest completion, capped at
+    `max_completion_len` (longer completions are cut at the end, like a sampled one)."""
+    encoded = encode_prompts(examples, tokenizer, fmt, max_prompt_len=max_prompt_len, add_bos=add_bos)
+    if not encoded.examples:
+        raise DataError(f"warm start: all {len(examples)} prompts are longer than max_prompt_len={max_prompt_len}")
+    eos = list(tokenizer.eos_ids[:1])
+    completions = tuple(tuple(a + eos) for a in tokenizer.encode_batch([e.answer for e in encoded.examples]))
+    return SFTPairs(encoded.examples, encoded.ids, completions, max(len(p) for p in encoded.ids),
+                    min(max(len(c) for c in completions), max_completion_len), encoded.num_too_long)
 
 
 def pack_prompt_completion(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
@@ -57,19 +91,15 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
     Batches are drawn with a seed derived from `key`, so the warm start is deterministic.
     """
     from rljax.evaluation.runner import greedy_accuracy
-
-    from rljax.data.templates import render_prompt
     from rljax.optim import OptimConfig, make_optimizer
 
     ws = cfg.warm_start
     optimizer = make_optimizer(OptimConfig(learning_rate=ws.learning_rate, warmup_steps=ws.warmup_steps,
                                            schedule="constant", max_grad_norm=1.0))
-    prompts = tokenizer.encode_batch([render_prompt(e, fmt, tokenizer) for e in examples], add_bos=cfg.data.add_bos)
-    eos = list(tokenizer.eos_ids[:1])
-    answers = tokenizer.encode_batch([e.answer for e in examples])
-    completions = [a + eos for a in answers]
-    prompt_len = max(len(p) for p in prompts)
-    completion_len = min(max(len(c) for c in completions), cfg.sampling.max_new_tokens)
+    pairs = sft_pairs(examples, tokenizer, fmt, max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos,
+                      max_completion_len=cfg.sampling.max_new_tokens)
+    if pairs.num_too_long:
+        log(f"warm start: dropped {pairs.num_too_long} prompts longer than {cfg.data.max_prompt_tokens} tokens")
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
     step = make_sft_step(model_cfg, optimizer)
     opt_state = optimizer.init(params)
@@ -79,9 +109,10 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
         if ws.max_seconds and time.perf_counter() - start > ws.max_seconds:
             log(f"warm start stopped at step {i} after {ws.max_seconds:.0f} s")
             break
-        idx = rng.integers(0, len(examples), ws.batch_size)
-        tokens, attn, loss = pack_prompt_completion([prompts[j] for j in idx], [completions[j] for j in idx],
-                                                    tokenizer.pad_id, prompt_len, completion_len)
+        idx = rng.integers(0, len(pairs.examples), ws.batch_size)
+        tokens, attn, loss = pack_prompt_completion([pairs.prompt_ids[j] for j in idx],
+                                                    [pairs.completion_ids[j] for j in idx], tokenizer.pad_id,
+                                                    pairs.prompt_len, pairs.completion_len)
         params, opt_state, nll = step(params, opt_state, tokens, attn, loss)
         if ws.target_accuracy and validation is not None and (i + 1) % ws.check_every == 0:
             acc = greedy_accuracy(validation, params)

@@ -1,0 +1,115 @@
+"""The sampling controls: one frozen, validated dataclass that every sampler entry point takes.
+
+`generate`, `stream`, the traceable `sample`, the evaluator and `TrainConfig.sampling` all take a
+`SampleControls`. It splits in two for compilation:
+
+    static()   -> StaticControls: which filters are on, top_k, EOS ids, stop sequences, pad id
+                  (a jit static argument: changing it compiles a new variant)
+    scalars()  -> (temperature, top_p, min_p) float32 values, traced (changing them never recompiles)
+
+`max_new_tokens` is traced too; only its bucket (`bucket_length`) and `num_samples` shape the
+compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from rljax.errors import ConfigError
+from rljax.sampling.filters import Filters, make_filters
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticControls:
+    """The compile-time half of `SampleControls` (hashable; a jit static argument)."""
+
+    filters: Filters
+    eos_ids: tuple[int, ...]
+    stop_sequences: tuple[tuple[int, ...], ...]
+    pad_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleControls:
+    """How completions are drawn: length, group size, the sampling distribution and stops.
+
+    max_new_tokens: completion budget per row (>= 1).
+    num_samples: completions per prompt (>= 1); rows are prompt-major.
+    temperature: >= 0; 0 means greedy.
+    top_k: keep the k most likely tokens (0: off). top_p: nucleus mass in (0, 1] (1: off).
+    min_p: keep tokens with p >= min_p * max p, in [0, 1) (0: off). See `rljax.sampling.filters`.
+    greedy: arg-max decoding whatever the filters say.
+    eos_ids: ids that end a row (the EOS token is part of the completion). None means "the
+      tokenizer's": `with_tokenizer` fills it in; a sampler given None stops on no id.
+    stop_sequences: non-empty token-id sequences that end a row when completed.
+    pad_id: the id after a row ends. None means "the tokenizer's" (`with_tokenizer`); a sampler
+      given None pads with 0.
+
+    Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
+    """
+
+    max_new_tokens: int
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    greedy: bool = False
+    eos_ids: tuple[int, ...] | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    pad_id: int | None = None
+
+    def __post_init__(self):
+        try:
+            fields = dict(max_new_tokens=int(self.max_new_tokens), num_samples=int(self.num_samples),
+                          temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p),
+                          min_p=float(self.min_p), greedy=bool(self.greedy),
+                          eos_ids=None if self.eos_ids is None else tuple(int(e) for e in self.eos_ids),
+                          stop_sequences=tuple(tuple(int(t) for t in s) for s in self.stop_sequences),
+                          pad_id=None if self.pad_id is None else int(self.pad_id))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
+                              f"{err}") from None
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"sampling: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_samples < 1:
+            raise ConfigError(f"sampling: num_samples must be >= 1, got {self.num_samples}")
+        if any(not s for s in self.stop_sequences):
+            raise ConfigError(f"sampling: stop_sequences must be non-empty token-id sequences, got "
+                              f"{self.stop_sequences}")
+        self.filters()  # checks temperature, top_k, top_p and min_p
+
+    def filters(self) -> Filters:
+        """Which filters are on (temperature 0 or `greedy` turns them all off)."""
+        try:
+            return make_filters(self.temperature, self.top_k, self.top_p, self.min_p, self.greedy)
+        except ConfigError as err:
+            raise ConfigError(f"sampling: {err}") from None
+
+    def static(self) -> StaticControls:
+        return StaticControls(filters=self.filters(), eos_ids=self.eos_ids or (),
+                              stop_sequences=self.stop_sequences, pad_id=self.pad_id or 0)
+
+    def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
+        """(temperature, top_p, min_p) as traced values; greedy ignores them."""
+        return np.float32(self.temperature or 1.0), np.float32(self.top_p), np.float32(self.min_p)
+
+    def replace(self, **changes) -> SampleControls:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def greedy_version(self, num_samples: int = 1) -> SampleControls:
+        """The same limits and stops with greedy decoding (evaluation, ReMax's baseline rollout)."""
+        return self.replace(greedy=True, num_samples=num_samples)
+
+    def with_tokenizer(self, tokenizer, extra_eos_ids: Sequence[int] = ()) -> SampleControls:
+        """Fills the unset `eos_ids` (the tokenizer's, then `extra_eos_ids`) and `pad_id`."""
+        eos = self.eos_ids
+        if eos is None:
+            eos = tuple(dict.fromkeys([*tokenizer.eos_ids, *extra_eos_ids]))
+        return self.replace(eos_ids=eos, pad_id=tokenizer.pad_id if self.pad_id is None else self.pad_id)

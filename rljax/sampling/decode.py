@@ -1,0 +1,220 @@
+"""The traceable decoding core that `generate`, `stream` and `sample` share.
+
+    prefill  : run the (left-padded) prompts once, [B, P] -> KV cache for P slots, last logits;
+               broadcast cache and logits to the n samples of each prompt (no re-prefill);
+               draw token 0.
+    decode   : while step < max_new_tokens and some row is running:
+                   logits = forward(last token, cache)    # cache updated in place
+                   draw token `step`, record its log-probs, stop rows on EOS / stop sequences.
+
+Log-probs. `logprobs` is log p(token | prefix) under the policy (temperature 1, no filters),
+computed by the trainer's own `rljax.models.logprobs_from_logits` on the decode logits, so the
+sampler and the trainer score a token with the same function. They still run different programs
+(a KV-cached decode step against a full-sequence forward), so a PPO ratio starts at 1 only up to
+rounding: within about 1e-5 in float32 (tested); bfloat16 compute differs by more.
+`sampling_logprobs` is the log-probability under the tempered, filtered distribution the token
+was drawn from (0 for greedy).
+
+Phases. Decode attention reads every cache slot every step, and that read (not the weight
+matmuls) is the part of a step that grows with the cache. So the cache starts with room for 16
+new tokens and doubles (16, 32, 64, ... up to the new-token bucket): decode runs as one
+`while_loop` per width, each attending only over the slots that can be filled by then, and the
+cache is padded between phases. That is at most log2(bucket / 16) + 1 compiled loops per
+bucket, and the average step reads about 3/4 of the slots a full-width cache would (see
+`phase_widths`). `bench/bench_sampling.py` measures the effect (BENCHMARKS.md).
+
+Rows are prompt-major: row i * n + j is sample j of prompt i.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.models import CACHE_SLOT_AXIS, ModelConfig, default_positions, forward, hidden_states, init_cache
+from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
+from rljax.sampling.controls import StaticControls
+from rljax.sampling.filters import sample_logits
+from rljax.tokenizers.batching import bucket_length as pad_bucket_length
+
+# Finish reasons, one int32 per row.
+FINISH_LENGTH = 0  # reached max_new_tokens
+FINISH_EOS = 1  # drew one of `eos_ids` (the EOS token is part of the completion)
+FINISH_STOP = 2  # completed one of `stop_sequences` (its tokens are part of the completion)
+MIN_BUCKET = 16
+
+
+def bucket_length(n: int) -> int:
+    """The padded length used for compiled shapes: the next power of two >= max(n, 16)."""
+    return pad_bucket_length(int(n), MIN_BUCKET)
+
+
+def phase_widths(new_bucket: int, max_new_tokens: int | None = None) -> tuple[int, ...]:
+    """New-token cache widths of the decode phases: 16, 32, 64, ... up to `new_bucket` (a power of
+    two >= 16), stopping at the first width that holds `max_new_tokens` when it is given. Phase i
+    draws tokens up to index widths[i] - 1 with a cache of P + widths[i] slots."""
+    widths = [min(MIN_BUCKET, new_bucket)]
+    while widths[-1] < new_bucket and (max_new_tokens is None or widths[-1] < max_new_tokens):
+        widths.append(min(2 * widths[-1], new_bucket))
+    return tuple(widths)
+
+
+@flax.struct.dataclass
+class SampleResult:
+    """Completions, rows prompt-major ([B * n, T_new] with T_new = max_new_tokens).
+
+    tokens            int32  completion tokens; `pad_id` after a row ends
+    logprobs          f32    policy log p(token | prefix), temperature 1, unfiltered; 0 off mask
+    sampling_logprobs f32    log-prob under the tempered, filtered sampling distribution; 0 off mask
+    mask              bool   True on generated tokens (EOS and stop-sequence tokens included)
+    lengths           int32  [B * n] number of generated tokens
+    finish_reason     int32  [B * n] FINISH_LENGTH (0), FINISH_EOS (1) or FINISH_STOP (2)
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    sampling_logprobs: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    finish_reason: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries; donated to each decode call so buffers are reused."""
+
+    cache: Any
+    last_token_b: jax.Array  # the token to feed next
+    next_pos_b: jax.Array  # its position
+    tokens_bn: jax.Array
+    logp_bn: jax.Array
+    sampling_logp_bn: jax.Array
+    done_b: jax.Array
+    length_b: jax.Array  # tokens generated per row (up to and including its stop token)
+    finish_b: jax.Array
+    window_bl: jax.Array  # the last L generated tokens, for stop-sequence matching
+    step: jax.Array  # tokens generated so far
+    max_new: jax.Array
+    key: jax.Array
+    scalars: Any  # (temperature, top_p, min_p) traced scalars
+
+
+def record(state: DecodeState, logits_bv, spec: StaticControls) -> DecodeState:
+    """Draws token `step` from `logits_bv`, stores it with its log-probs and updates stop flags."""
+    temperature, top_p, min_p = state.scalars
+    key = jax.random.fold_in(state.key, state.step)
+    tok_b, slp_b = sample_logits(key, logits_bv, temperature, top_p, min_p, filters=spec.filters)
+    logp_b = logprobs_from_logits(logits_bv[:, None, :], tok_b[:, None])[0][:, 0]
+    live_b = ~state.done_b
+    tok_b = jnp.where(live_b, tok_b, spec.pad_id)
+    col = (0, state.step)
+    put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), col)
+    tokens = put(state.tokens_bn, tok_b)
+    logp = put(state.logp_bn, jnp.where(live_b, logp_b, 0.0))
+    slp = put(state.sampling_logp_bn, jnp.where(live_b, slp_b, 0.0))
+    window = jnp.concatenate([state.window_bl[:, 1:], tok_b[:, None]], axis=1)
+    hit_eos = live_b & jnp.isin(tok_b, jnp.asarray(spec.eos_ids or (-1,), jnp.int32))
+    hit_stop = jnp.zeros_like(live_b)
+    for seq in spec.stop_sequences:
+        tail = window[:, window.shape[1] - len(seq):]
+        hit_stop |= jnp.all(tail == jnp.asarray(seq, jnp.int32), axis=1)
+    hit_stop &= live_b & ~hit_eos
+    finish = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, state.finish_b))
+    return state.replace(
+        last_token_b=tok_b, tokens_bn=tokens, logp_bn=logp, sampling_logp_bn=slp,
+        done_b=state.done_b | hit_eos | hit_stop, length_b=state.length_b + live_b, finish_b=finish.astype(jnp.int32),
+        window_bl=window, step=state.step + 1)
+
+
+def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars, *, spec: StaticControls,
+            num_samples: int, new_bucket: int) -> DecodeState:
+    """Prefills B prompts once, broadcasts the cache to B * n rows and draws token 0.
+
+    `max_new` (int32) and `scalars` (temperature, top_p, min_p) are traced; `new_bucket` sizes the
+    token buffers."""
+    b, p = prompt_bt.shape
+    bn = b * num_samples
+    positions_bt = default_positions(mask_bt)
+    h_btd, cache = hidden_states(cfg, params, prompt_bt, positions_bt, mask_bt, init_cache(cfg, b, p))
+    last_b = p - 1 - jnp.argmax(jnp.flip(mask_bt, axis=1), axis=1)  # last real token (any padding)
+    h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
+    logits_bv = logits_from_hidden(cfg, params, h_b1d)[:, 0]
+
+    cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
+    cache = pad_slots(cache, phase_widths(new_bucket)[0])  # room for the first phase
+    window = max([len(s) for s in spec.stop_sequences], default=1)
+    state = DecodeState(
+        cache=cache,
+        last_token_b=jnp.zeros((bn,), jnp.int32),
+        next_pos_b=jnp.repeat(jnp.sum(mask_bt, axis=1, dtype=jnp.int32), num_samples),
+        tokens_bn=jnp.full((bn, new_bucket), spec.pad_id, jnp.int32),
+        logp_bn=jnp.zeros((bn, new_bucket), jnp.float32),
+        sampling_logp_bn=jnp.zeros((bn, new_bucket), jnp.float32),
+        done_b=jnp.zeros((bn,), bool),
+        length_b=jnp.zeros((bn,), jnp.int32),
+        finish_b=jnp.full((bn,), FINISH_LENGTH, jnp.int32),
+        window_bl=jnp.full((bn, window), -1, jnp.int32),
+        step=jnp.zeros((), jnp.int32), max_new=max_new, key=key, scalars=scalars)
+    return record(state, jnp.repeat(logits_bv, num_samples, axis=0), spec)
+
+
+def pad_slots(cache, extra: int):
+    """Appends `extra` empty slots to every cache buffer (keys and values 0, positions -1)."""
+    def pad(x, slot_axis, fill):
+        widths = [(0, 0)] * x.ndim
+        widths[slot_axis] = (0, extra)
+        return jnp.pad(x, widths, constant_values=fill)
+
+    return {"layers": tuple({name: pad(c, CACHE_SLOT_AXIS[name], 0) for name, c in lc.items()}
+                            for lc in cache["layers"]),
+            "pos": pad(cache["pos"], 1, -1), "index": cache["index"]}
+
+
+def widen(state: DecodeState, extra: int) -> DecodeState:
+    """The next decode phase's state: the cache grown by `extra` slots."""
+    return state.replace(cache=pad_slots(state.cache, extra))
+
+
+def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticControls) -> DecodeState:
+    """Decodes until `min(limit, max_new)` tokens are drawn or every row has stopped. The caller
+    keeps `limit` within the cache: a cache of P + w slots can draw tokens up to index w - 1."""
+    layer_params = unstack_layers(params)  # a no-op when the caller split them (generate, sample)
+    # A token's position counts real tokens only, so it is at most its slot: the table covers all.
+    rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
+    stop_at = jnp.minimum(limit, state.max_new)
+
+    def cond(s: DecodeState):
+        return (s.step < stop_at) & ~jnp.all(s.done_b)
+
+    def body(s: DecodeState):
+        ones_b1 = jnp.ones((s.last_token_b.shape[0], 1), bool)
+        logits_b1v, cache = forward(cfg, layer_params, s.last_token_b[:, None], s.next_pos_b[:, None],
+                                    ones_b1, s.cache, rope_cos_sin=rope_cos_sin)
+        s = s.replace(cache=cache, next_pos_b=s.next_pos_b + 1)
+        return record(s, logits_b1v[:, 0], spec)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def to_result(state: DecodeState, *, width: int) -> SampleResult:
+    """The first `width` (= max_new_tokens) columns of the decode buffers as a `SampleResult`."""
+    mask = jnp.arange(width)[None, :] < state.length_b[:, None]
+    return SampleResult(tokens=state.tokens_bn[:, :width], logprobs=state.logp_bn[:, :width],
+                        sampling_logprobs=state.sampling_logp_bn[:, :width], mask=mask,
+                        lengths=state.length_b, finish_reason=state.finish_b)
+
+
+def decode_phases(cfg: ModelConfig, params, state: DecodeState, *, spec: StaticControls, new_bucket: int,
+                  max_new_tokens: int, decode=decode, widen=widen) -> DecodeState:
+    """Runs every decode phase (see the module docstring): decode to the cache's width, widen, go
+    on. Traceable; `generate` passes jitted `decode` and `widen` instead."""
+    widths = phase_widths(new_bucket, max_new_tokens)
+    for i, width in enumerate(widths):
+        if i:
+            state = widen(state, width - widths[i - 1])
+        state = decode(cfg, params, state, np.int32(min(width, max_new_tokens)), spec=spec)
+    return state
