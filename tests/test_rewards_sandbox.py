@@ -1,7 +1,10 @@
 """rewards.run_code: correct scoring, and every attack scores 0 within its limit, leaving us unharmed."""
 
 import os
+import re
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -48,13 +51,75 @@ ATTACKS = {
 }
 
 
+# How each attack must be stopped: the flag `run_code` reports. An empty tuple means the program
+# died on its own at once (the audit hook refused the call, or RLIMIT_AS refused the allocation).
+STOPPED_BY = {
+    "infinite_loop": ("killed:signal 9", "killed:signal 24", "timeout"),  # RLIMIT_CPU or the wall
+    "fork_bomb": (),
+    "fork_bomb_posix_spawn": (),
+    "memory_hog": (),
+    "stdout_flood": ("output_limit",),
+    "ctypes_escape": (),
+}
+
+
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_attacks_score_zero_within_limit(name):
-    """Each hostile program scores 0 within its wall limit; this process keeps running."""
+    """Each hostile program scores 0 within its wall limit, stopped by the wall meant for it, and
+    leaves this process unharmed: no process of it survives the call, and our own memory peak
+    stays flat.
+
+    Catches: a sandbox that no longer caps stdout (the flood runs to the wall clock and the parent
+    buffers it: no "output_limit" flag, and our memory peak jumps), one that lets fork/posix_spawn/
+    ctypes through (the bomb runs until the wall: a "timeout" flag instead of none), one without
+    RLIMIT_AS (the hog allocates and `assert True` passes), one that neither limits CPU nor kills
+    the process group at the wall (the loop outlives the call), and one that runs the code in this
+    process (our memory peak jumps)."""
+    rss0 = _reset_peak_rss()
     score, info, took = _run(ATTACKS[name], ["assert True"])
-    assert score == 0.0
+    assert score == 0.0 and info["results"] == [False]
     assert took < LIMITS.wall_s + 3.0
-    assert os.getpid() > 0  # still here
+    flags = tuple(info["flags"])
+    if STOPPED_BY[name]:
+        assert len(flags) == 1 and flags[0] in STOPPED_BY[name], flags
+    else:
+        assert flags == (), flags
+    assert _vm_kib("VmHWM") - rss0 < 64 << 10, "the attack's output or memory reached this process"
+    deadline = time.monotonic() + 5.0  # SIGKILLed processes take a moment to be reaped
+    while _descendants(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _descendants(os.getpid())
+
+
+def _vm_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+
+def _reset_peak_rss() -> int:
+    """Resets this process's peak RSS (VmHWM) to its current RSS and returns that, in KiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _vm_kib("VmRSS")
+
+
+def _descendants(root: int) -> list[int]:
+    """Live (non-zombie) processes whose parent chain reaches `root`."""
+    parent, state = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state[int(pid)], parent[int(pid)] = fields[0], int(fields[1])
+    found = []
+    for pid in parent:
+        p = pid
+        while p in parent and p != root and p > 1:
+            p = parent[p]
+        if p == root and pid != root and state[pid] != "Z":
+            found.append(pid)
+    return found
 
 
 def test_fork_bomb_leaves_no_processes_behind():
@@ -110,20 +175,46 @@ def test_parent_environment_secret_does_not_leak(monkeypatch):
 
 
 def test_network_is_unreachable():
-    """A socket to a server listening in this process cannot be opened from the sandbox."""
+    """A socket to a server listening in this process cannot be opened from the sandbox, and the
+    sandbox does not even see that server: it runs in a network namespace of its own.
+
+    Catches: a launcher that stops unsharing the network namespace (the listener shows up in the
+    sandbox's /proc/net/tcp, which the audit hook does not guard), and a sandbox that lets a
+    connection through (the server accepts one, and `assert True` passes)."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     server.settimeout(0.1)
     port = server.getsockname()[1]
-    code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "s.sendall(b'hi')")
-    score, info, _ = _run(code, ["assert True"])
-    with pytest.raises(OSError):
-        server.accept()  # nobody connected
-    server.close()
-    assert score == 0.0
-    assert "net" in info["isolation"] or info["isolation"] == []
+    try:
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                "s.sendall(b'hi')")
+        score, info, _ = _run(code, ["assert True"])
+        with pytest.raises(OSError):
+            server.accept()  # nobody connected
+        assert score == 0.0
+
+        # The listener as /proc/net/tcp shows it (local address 0100007F:PORT in hex, state 0A).
+        listener = f"0100007F:{port:04X} 00000000:0000 0A"
+        assert listener in _proc_net_tcp(), "the probe must see the listener from our namespace"
+        if not _kernel_grants_network_namespace():
+            pytest.skip("this kernel refuses network namespaces; only the audit-hook wall is tested")
+        score, info, _ = _run("t = open('/proc/net/tcp').read()", [f"assert {listener!r} not in t"])
+        assert score == 1.0, "the sandbox shares this process's network namespace"
+        assert "net" in info["isolation"]
+    finally:
+        server.close()
+
+
+def _proc_net_tcp() -> str:
+    with open("/proc/net/tcp") as f:
+        return f.read()
+
+
+def _kernel_grants_network_namespace() -> bool:
+    """Asks the kernel directly, in a throwaway process, whether unshare(CLONE_NEWNET) works here."""
+    probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare(0x40000000) != 0)"
+    return subprocess.run([sys.executable, "-c", probe], check=False).returncode == 0
 
 
 def test_signalling_parent_fails():
