@@ -225,28 +225,49 @@ def test_heldout_split_is_disjoint_on_normalised_questions():
 
 
 # -- dynamic sampling -----------------------------------------------------------------------
-def _reference_selection(rewards_pn, num_groups):
-    keep = [i for i, r in enumerate(rewards_pn) if r.max() != r.min()]
-    drop = [i for i, r in enumerate(rewards_pn) if r.max() == r.min()]
-    chosen = (keep + drop)[:num_groups]
-    return chosen, [i in keep for i in chosen], len(keep)
+def _reference_selection(rewards_pn, num_groups, atol=0.0):
+    """DAPO's rule in NumPy: keep a group when its reward spread exceeds `atol`; the batch is the
+    kept groups then the dropped ones, each in pool order, cut to `num_groups`."""
+    keep_p = np.ptp(rewards_pn, axis=1) > atol
+    order = np.concatenate([np.flatnonzero(keep_p), np.flatnonzero(~keep_p)])[:num_groups]
+    return order.tolist(), keep_p[order].tolist(), int(keep_p.sum())
 
 
 def test_dynamic_sampling_matches_reference_with_static_shapes():
     """Under jit, groups whose rewards are not all equal come first (in pool order), the batch is
-    refilled to exactly G groups with filler marked invalid, and counts match a NumPy reference."""
-    select = jax.jit(dynamic_sample, static_argnums=1)
+    refilled to exactly G groups with filler marked invalid, and counts match a NumPy reference;
+    one compile serves every pool content.
+
+    Catches: an order that leaves pool order inside the kept or dropped block (e.g.
+    `argsort(keep)[::-1]`), filler marked valid, `>=` instead of `>` against `atol` (the graded
+    groups below sit exactly on it), wrong counts, and a selection whose shapes depend on the
+    data (a second compile)."""
+    select = jax.jit(dynamic_sample, static_argnums=(1, 2))
     rng = np.random.default_rng(0)
     for trial in range(6):
         rewards_pn = rng.integers(0, 2, size=(12, 4)).astype(np.float32)
         rewards_pn[: trial * 2] = 1.0  # more and more all-correct groups
-        sel = select(rewards_pn, 5)
-        chosen, valid, kept = _reference_selection(rewards_pn, 5)
-        assert sel.indices_g.shape == (5,) and sel.valid_g.shape == (5,)
-        assert sel.indices_g.tolist() == chosen and sel.valid_g.tolist() == valid
-        assert int(sel.num_kept) == kept and int(sel.num_dropped) == 12 - kept
-        assert int(sel.num_padded) == max(5 - kept, 0)
-    assert select.__wrapped__ is dynamic_sample and select._cache_size() == 1  # one compile for all trials
+        for atol, num_groups in ((0.0, 5), (0.0, 12)):
+            sel = select(rewards_pn, num_groups, atol)
+            chosen, valid, kept = _reference_selection(rewards_pn, num_groups, atol)
+            assert sel.indices_g.shape == (num_groups,) and sel.valid_g.shape == (num_groups,)
+            assert sel.indices_g.tolist() == chosen and sel.valid_g.tolist() == valid
+            assert int(sel.num_kept) == kept and int(sel.num_dropped) == 12 - kept
+            assert int(sel.num_padded) == max(num_groups - kept, 0)
+    assert select._cache_size() == 2  # one compile per (G, atol), none per pool content
+
+    # Graded rewards (multiples of 1/64, so every spread is exact in f32): spread exactly atol
+    # (dropped), atol + 1/64 (kept) and 0 (dropped).
+    base_p1 = rng.integers(-8, 8, size=(10, 1)) / 8
+    spread_p3 = np.zeros((10, 3))
+    spread_p3[::2] = [0.0, 0.25, 0.125]
+    spread_p3[1::4] = [0.0, 0.0, 0.25 + 1 / 64]
+    rewards_pn = (base_p1 + spread_p3).astype(np.float32)
+    sel = dynamic_sample(rewards_pn, 6, 0.25)
+    chosen, valid, kept = _reference_selection(rewards_pn, 6, 0.25)
+    assert kept == 3 and valid == [True] * 3 + [False] * 3
+    assert sel.indices_g.tolist() == chosen and sel.valid_g.tolist() == valid
+    assert int(sel.num_kept) == kept and int(sel.num_padded) == max(6 - kept, 0)
 
 
 def test_accuracy_band_and_refill_errors():
