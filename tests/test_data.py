@@ -97,6 +97,24 @@ def test_prompt_batches_left_pad_to_buckets_and_drop_long():
     assert next(iter(short.dataset)).tokens_bt.shape == (2, 4)
 
 
+def test_encode_prompts_drops_over_long_prompts_never_cuts():
+    """A prompt of exactly max_prompt_len ids is kept whole; one id more and it is dropped and
+    counted (with or without the tokenizer's `encode_batch`); a limit below 1 is a ConfigError."""
+    from rljax.data import encode_prompts
+
+    class OneAtATime:  # a tokenizer with `encode` only
+        pad_id = TOK.pad_id
+        encode = staticmethod(TOK.encode)
+
+    examples = (Example(id="fits", question="12+3=", answer="15"), Example(id="over", question="12+34=", answer="46"))
+    for tok in (TOK, OneAtATime()):
+        enc = encode_prompts(examples, tok, PromptFormat(), max_prompt_len=6, add_bos=True)
+        assert [e.id for e in enc.examples] == ["fits"] and enc.num_too_long == 1
+        assert list(enc.ids[0]) == TOK.encode("12+3=", add_bos=True) and len(enc.ids[0]) == 6
+    with pytest.raises(ConfigError, match="max_prompt_len"):
+        encode_prompts(examples, TOK, PromptFormat(), max_prompt_len=0, add_bos=False)
+
+
 def test_templates_and_chat():
     """Format strings fill {question} and metadata keys; chat formats go through the tokenizer's
     chat template with the system message first; {answer} and unknown fields are refused."""
