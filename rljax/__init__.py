@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name in ("update_step", "init_train_state", "TrainState", "Batch"):
+    if name in ("update_step", "init_train_state", "TrainState", "RolloutBatch"):
         from rljax import update
 
         return getattr(update, name)

@@ -39,7 +39,7 @@ INDEX = [0, 1, 2, 3, 1, 3, 2, 0]
 def _reward():
     return rewards.compose(correct=(1.0, rewards.MathAnswer()),
                            format=(0.5, rewards.TagFormat()),
-                           overlong=rewards.OverlongPenalty(max_tokens=20, buffer_tokens=10))
+                           length=(-0.5, rewards.TargetLength(target_tokens=20)))
 
 
 def test_callback_in_jit_matches_eager_and_sharded(pool):
@@ -52,10 +52,10 @@ def test_callback_in_jit_matches_eager_and_sharded(pool):
     np.testing.assert_array_equal(eager.parts["correct"], [1, 0, 1, 1, 1, 1, 0, 1])
     np.testing.assert_array_equal(eager.parts["format"], [0, 0, 0, 0, 1, 0, 0, 0])
     lengths = mask_bt.sum(1)
-    expected_overlong = np.where(lengths <= 10, 0.0, np.where(lengths <= 20, (10 - lengths) / 10, -1))
-    np.testing.assert_allclose(eager.parts["overlong"], expected_overlong)
+    expected_length = np.maximum(0.0, 1 - np.abs(lengths - 20) / 20)  # reads the token counts
+    np.testing.assert_allclose(eager.parts["length"], expected_length, rtol=1e-6)
     np.testing.assert_allclose(eager.total_b, eager.parts["correct"] + 0.5 * eager.parts["format"]
-                               + eager.parts["overlong"], rtol=1e-6)
+                               - 0.5 * eager.parts["length"], rtol=1e-6)
 
     @jax.jit
     def step(tokens_bt, mask_bt, index_b):

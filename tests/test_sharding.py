@@ -163,18 +163,30 @@ def test_fsdp8_memory_per_device_is_at_most_a_sixth():
 
 def test_sync_weights_stays_on_device_and_matches():
     """Trainer (FSDP=4 x TP=2) -> sampler (DP=4 x TP=2, no FSDP) resharding moves no bytes through
-    the host, lands in the sampler's shardings, keeps the values, and reports its seconds."""
+    the host, lands in the sampler's shardings and keeps the values bitwise; `donate` frees the
+    trainer's copy.
+
+    Catches: a sync through `jax.device_put`, which assembles each FSDP-sharded weight on the
+    host before sending it back (the "disallow_explicit" guard raises on that host-to-device
+    copy; plain "disallow" lets explicit transfers through), `jax.device_get` + `device_put`, a
+    sync that returns the trainer's layout unchanged, and one that keeps donated buffers alive."""
     params = init_params(preset("qwen2-test"), jax.random.key(0))
     trainer = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(fsdp=4, tensor=2)))
     sampler = sharding.sampler_layout(sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2)))
     train_params = sharding.shard_params(params, trainer.mesh)
     target = sampler.params(params)
-    with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
-        synced, seconds = sharding.sync_weights(train_params, target)
-    assert seconds > 0
+    assert jax.tree.map(lambda x: x.sharding, train_params) != target  # a real reshard
+    with jax.transfer_guard("disallow_explicit"):
+        synced, _ = sharding.sync_weights(train_params, target)
     assert synced["layers"]["q"].sharding.spec == P(None, None, "tensor", None)
     assert jax.tree.map(lambda x: x.sharding, synced) == target
     _close(synced, params, atol=0)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(train_params))
+
+    with jax.transfer_guard("disallow_explicit"):
+        donated, _ = sharding.sync_weights(train_params, target, donate=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves(train_params))
+    _close(donated, params, atol=0)
 
 
 def test_sharded_cached_decode_equals_one_device():
@@ -243,7 +255,7 @@ def test_global_batch_and_process_rows_single_process():
 def _rl_batch(seed=0, b=8, t=12, prompt=5):
     """A GRPO batch: ragged left-padded prompts and completions, slightly off-policy log-probs."""
     from rljax.objectives import prompt_major_group_ids
-    from rljax.update import Batch
+    from rljax.update import RolloutBatch
     cfg = preset("qwen2-test")
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, cfg.vocab_size, (b, t))
@@ -254,8 +266,9 @@ def _rl_batch(seed=0, b=8, t=12, prompt=5):
         loss[i, prompt:prompt + n] = True
         attn[i, prompt + n:] = False
     old_logp = rng.normal(-4.0, 0.5, (b, t)).astype(np.float32)
-    return Batch(np.where(attn, toks, 0).astype(np.int32), attn, loss, old_logp,
-                 rng.integers(0, 2, b).astype(np.float32), prompt_major_group_ids(b, 4))
+    return RolloutBatch(tokens_bt=np.where(attn, toks, 0).astype(np.int32), attn_mask_bt=attn, loss_mask_bt=loss,
+                        sampler_logp_bt=old_logp, rewards_b=rng.integers(0, 2, b).astype(np.float32),
+                        group_ids_b=np.asarray(prompt_major_group_ids(b, 4)), completion_len=t - prompt)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def _cli(args, **kw):
 
 def _metrics(run_dir: Path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("time") and k != "rollout/tokens_per_s"} for r in rows]
 
 
 def test_short_run_raises_mean_reward(tmp_path):
@@ -48,7 +48,7 @@ def test_short_run_raises_mean_reward(tmp_path):
         "data.eval_size=40", "eval.size=40", "rl.iterations=100", "optim.learning_rate=1e-3", "eval.every=100",
         "checkpoint.every=100", "mesh.devices=1", f"output_dir='{tmp_path}'"])
     result = train(cfg, log=lambda *_: None)
-    rewards = [r["reward/mean"] for r in result.history if "reward/mean" in r]
+    rewards = [r["rollout/reward_mean"] for r in result.history if "rollout/reward_mean" in r]
     assert len(rewards) == 100
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert last > first + 0.05, (first, last)
@@ -156,7 +156,7 @@ def _assert_params_close(a, b):
 
 
 def _untimed(history):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in history]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "rollout/tokens_per_s"} for r in history]
 
 
 def test_sharded_training_equals_one_device(tmp_path, eight_device_run):
@@ -181,7 +181,7 @@ def test_separate_sampler_layout_equals_fused_iteration(tmp_path, eight_device_r
     assert [sorted(r) for r in fused_rows] == [sorted(r) for r in split_rows]
     for f, s in zip(fused_rows, split_rows):
         np.testing.assert_allclose([s[k] for k in sorted(f)], [f[k] for k in sorted(f)], atol=1e-5, rtol=0)
-    rl_rows = [r for r in split.history if "reward/mean" in r]
+    rl_rows = [r for r in split.history if "rollout/reward_mean" in r]
     assert len(rl_rows) == 2
     for r in rl_rows:
         assert r["time/weight_sync_s"] > 0 and r["time/sample_s"] > 0 and r["time/update_s"] > 0
@@ -189,4 +189,4 @@ def test_separate_sampler_layout_equals_fused_iteration(tmp_path, eight_device_r
     q_split, q_fused = split.state.params["layers"]["q"], eight_device_run.state.params["layers"]["q"]
     assert q_split.sharding.is_equivalent_to(q_fused.sharding, q_split.ndim)  # back in the trainer layout
     written = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all("time/weight_sync_s" in r for r in written if "reward/mean" in r)
+    assert all("time/weight_sync_s" in r for r in written if "rollout/reward_mean" in r)

@@ -8,22 +8,26 @@ loss, off-policy corrections and reward transforms, each registered by name.
 """
 
 from rljax.objectives.advantages import (dense_rewards, dr_grpo, gae, gae_from_rewards, grpo,
-                                         prompt_major_group_ids, reinforce, reinforce_pp, remax, rloo,
+                                         prompt_major_group_ids, reinforce, reinforce_pp,
+                                         reinforce_pp_baseline, remax, rloo, whiten_advantages,
                                          zero_variance_groups)
 from rljax.objectives.aggregation import aggregate, aggregate_parts
-from rljax.objectives.config import PRESETS, AlgorithmConfig
-from rljax.objectives.kl import k1, k2, k3, kl
-from rljax.objectives.losses import (cispo, gspo, masked_is, policy_gradient, ppo_clip, topr,
-                                     truncated_is, value_loss)
+from rljax.objectives.config import PRESETS, AlgorithmConfig, RolloutNeeds
+from rljax.objectives.kl import abs_kl, k1, k2, k3, k3_plus, kl
+from rljax.objectives.losses import (LOG_RATIO_CLAMP, cispo, clamped_ratio, gspo, masked_is,
+                                     policy_gradient, ppo_clip, topr, truncated_is, value_loss)
 from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY,
-                                       POLICY_LOSSES, Registry)
-from rljax.objectives.shaping import length_penalty, overlong_penalty
+                                       POLICY_LOSSES, ROLLOUT_NEEDS, Registry)
+from rljax.objectives.shaping import RewardShaping, length_penalty, overlong_penalty
 
 __all__ = [
     "ADVANTAGES", "POLICY_LOSSES", "AGGREGATIONS", "KL_ESTIMATORS", "OFF_POLICY", "Registry",
-    "AlgorithmConfig", "PRESETS",
-    "grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "remax", "gae", "gae_from_rewards",
-    "dense_rewards", "prompt_major_group_ids", "zero_variance_groups",
+    "ROLLOUT_NEEDS", "AlgorithmConfig", "RolloutNeeds", "PRESETS", "RewardShaping",
+    "grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae",
+    "gae_from_rewards", "whiten_advantages", "dense_rewards", "prompt_major_group_ids",
+    "zero_variance_groups",
     "ppo_clip", "policy_gradient", "gspo", "cispo", "topr", "value_loss", "truncated_is", "masked_is",
-    "kl", "k1", "k2", "k3", "aggregate", "aggregate_parts", "overlong_penalty", "length_penalty",
+    "clamped_ratio", "LOG_RATIO_CLAMP",
+    "kl", "k1", "k2", "k3", "k3_plus", "abs_kl", "aggregate", "aggregate_parts", "overlong_penalty",
+    "length_penalty",
 ]

@@ -1,4 +1,4 @@
-"""The algorithm config: a frozen, validated dataclass whose `algorithm` names a preset of pieces.
+"""The objective's config: a frozen, validated dataclass whose `algorithm` names a preset of pieces.
 
     AlgorithmConfig(algorithm="dapo")                       # the DAPO recipe
     AlgorithmConfig(algorithm="grpo", aggregation="token-mean", kl_coef=0.0)   # override pieces
@@ -18,14 +18,19 @@ from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, 
 
 _BASE: dict[str, Any] = dict(advantage="grpo", policy_loss="ppo_clip", aggregation="seq-mean-token-mean",
                              clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
-                             kl_in_reward=False, std_normalize=True, value_coef=0.0)
+                             kl_in_reward=False, std_normalize=True, whiten_advantages=False,
+                             value_coef=0.0)
+
+# Estimators whose result depends on the discount gamma (the token-level ones); any other
+# estimator with gamma != 1 is a config error rather than a silently ignored setting.
+_USES_GAMMA: dict[str, tuple[str, ...]] = {"gae": ("gamma",), "reinforce_pp": ("gamma",)}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (2024): group-normalised advantage, sequence-then-token mean, k3 KL loss.
     "grpo": dict(kl_coef=0.04),
     # Understanding R1-Zero-like training (2025): no std, constant-length normalisation, no KL.
     "dr_grpo": dict(advantage="dr_grpo", aggregation="seq-mean-token-sum-norm"),
-    # DAPO (2025): clip-higher, token-level loss, no KL (soft overlong punishment: set overlong_*).
+    # DAPO (2025): clip-higher, token-level loss, no KL (soft overlong punishment: set shaping.overlong_*).
     "dapo": dict(aggregation="token-mean", clip_eps_high=0.28),
     # Back to Basics (2024): leave-one-out baseline.
     "rloo": dict(advantage="rloo"),
@@ -34,8 +39,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                          kl_estimator="k1", kl_in_reward=True),
     # ReMax (2023): greedy-reward baseline, REINFORCE summed over tokens.
     "remax": dict(advantage="remax", policy_loss="pg", aggregation="seq-mean-token-sum"),
-    # PPO (2017) with GAE (2016) and a clipped value loss.
-    "ppo": dict(advantage="gae", aggregation="token-mean", value_coef=0.5),
+    # PPO (2017) with GAE (2016), whitened advantages and a clipped value loss.
+    "ppo": dict(advantage="gae", aggregation="token-mean", value_coef=0.5, whiten_advantages=True),
     # GSPO (2025): sequence-level ratio with the paper's tight clip range.
     "gspo": dict(policy_loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4),
     # MiniMax-M1 (2025): clipped stop-gradient IS weight, no lower bound, token-level loss.
@@ -46,19 +51,32 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutNeeds:
+    """What the objective needs besides tokens, sampler log-probs and rewards, collected from the
+    registry entries' declarations and the coefficients: the rollout produces `greedy_baseline`;
+    the update step scores `reference_logp` and `values` with the train state's models."""
+
+    greedy_baseline: bool = False
+    values: bool = False
+    reference_logp: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """Every piece of an RL objective and the update-step schedule.
+    """The pieces of an RL objective (the TOML `[algorithm]` section).
 
     Pieces (None: from the `algorithm` preset): `advantage`, `policy_loss`, `aggregation`,
     `kl_estimator`, clip range `clip_eps_low`/`clip_eps_high`, `kl_coef`, `kl_in_reward`,
-    `std_normalize` (GRPO), `value_coef` (> 0 trains a value model; PPO).
-    Schedule: `num_epochs` passes over `num_minibatches` shuffled mini-batches, each split into
-    `num_microbatches` for gradient accumulation. `recompute_old_logp` rescores the batch with the
-    current params before updating and treats the batch's `old_logp_bt` as the behaviour policy
+    `std_normalize` (GRPO), `value_coef` (> 0 trains a value model; PPO). `whiten_advantages`
+    whitens the advantages over the batch's completion tokens (PPO/GAE, as verl and OpenAI
+    baselines do); `kl_clamp` bounds the per-token KL estimate to [-c, c] (verl clamps k3 at 10).
+    `norm_length` is Dr. GRPO's constant length (None: the rollout's completion budget,
+    `max_new_tokens`, as the paper and verl use). `recompute_old_logp` rescores the batch with
+    the current params before updating and treats the sampler's log-probs as the behaviour policy
     for the `off_policy` correction ('none', 'tis', 'mis' at `off_policy_level` token|sequence).
-    Compilation: `remat` recomputes layer activations in the backward pass (less memory);
-    `unroll_layers` unrolls the layer scan of the trained forward (about 7% faster on CPU, longer
-    compiles; see `rljax.models.hidden_states`).
+
+    The update schedule and compile switches live in `rljax.update.UpdateConfig`, reward shaping
+    in `rljax.objectives.shaping.RewardShaping`.
     """
 
     algorithm: str = "grpo"
@@ -71,7 +89,9 @@ class AlgorithmConfig:
     dual_clip: float | None = None
     kl_coef: float | None = None
     kl_in_reward: bool | None = None
+    kl_clamp: float | None = None
     std_normalize: bool | None = None
+    whiten_advantages: bool | None = None
     value_coef: float | None = None
     entropy_coef: float = 0.0
     value_clip: float | None = 0.2
@@ -83,14 +103,6 @@ class AlgorithmConfig:
     off_policy_level: str = "token"
     off_policy_cap: float = 2.0
     recompute_old_logp: bool = False
-    overlong_max_length: int | None = None
-    overlong_buffer: int = 0
-    length_penalty: float = 0.0
-    num_epochs: int = 1
-    num_minibatches: int = 1
-    num_microbatches: int = 1
-    remat: bool = False
-    unroll_layers: bool = False
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:
@@ -113,20 +125,21 @@ class AlgorithmConfig:
         need(self.dual_clip is None or self.dual_clip > 1,
              f"dual_clip={self.dual_clip} must be > 1 (or None)")
         need(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0")
+        need(self.kl_clamp is None or self.kl_clamp > 0, f"kl_clamp={self.kl_clamp} must be > 0 (or None)")
         need(self.value_coef >= 0, f"value_coef={self.value_coef} must be >= 0")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must lie in [0, 1]")
+        need(self.gamma == 1.0 or "gamma" in _USES_GAMMA.get(self.advantage, ()),
+             f"gamma={self.gamma} has no effect on advantage={self.advantage!r} (a sequence-level "
+             f"estimator); discounting applies to {', '.join(sorted(_USES_GAMMA))}: set gamma=1")
+        need(self.norm_length is None or self.norm_length >= 1, f"norm_length={self.norm_length} must be >= 1")
         need(self.off_policy_level in ("token", "sequence"),
              f"off_policy_level={self.off_policy_level!r}; choose one of token, sequence")
         need(self.off_policy_cap >= 1, f"off_policy_cap={self.off_policy_cap} must be >= 1")
         need(self.off_policy == "none" or self.recompute_old_logp,
              f"off_policy={self.off_policy!r} needs recompute_old_logp=True (it compares the trainer's "
              "log-probs with the sampler's)")
-        need(self.advantage != "gae" or self.value_coef > 0,
-             "advantage='gae' needs a value model: set value_coef > 0")
-        need(self.overlong_max_length is None or 0 <= self.overlong_buffer < self.overlong_max_length,
-             "overlong_buffer must lie in [0, overlong_max_length)")
-        for name in ("num_epochs", "num_minibatches", "num_microbatches"):
-            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        need("values" not in ADVANTAGES.needs(self.advantage) or self.value_coef > 0,
+             f"advantage={self.advantage!r} needs a value model: set value_coef > 0")
 
     @property
     def uses_reference(self) -> bool:
@@ -135,7 +148,16 @@ class AlgorithmConfig:
 
     @property
     def uses_values(self) -> bool:
+        """Whether a value model is trained (and scored for the advantages)."""
         return self.value_coef > 0
+
+    @property
+    def needs(self) -> RolloutNeeds:
+        """What this objective needs from the rollout, from its registry entries' declarations."""
+        declared = ADVANTAGES.needs(self.advantage) | POLICY_LOSSES.needs(self.policy_loss)
+        return RolloutNeeds(greedy_baseline="greedy_baseline" in declared,
+                            values=self.uses_values or "values" in declared,
+                            reference_logp=self.uses_reference or "reference_logp" in declared)
 
     def replace(self, **changes) -> AlgorithmConfig:
         return dataclasses.replace(self, **changes)

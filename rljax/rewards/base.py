@@ -169,7 +169,7 @@ def compose(*verifiers: Verifier, **terms: Verifier | tuple[float, Verifier]) ->
     ``(weight, verifier)`` or a bare verifier. Example::
 
         reward = compose(correct=(1.0, MathAnswer()), format=(0.1, TagFormat()),
-                         overlong=OverlongPenalty(max_tokens=4096, buffer_tokens=512))
+                         length=(0.1, TargetLength(target_tokens=512)))
     """
     parts = [Part(getattr(v, "name", repr(v)), 1.0, v) for v in verifiers]
     for name, term in terms.items():

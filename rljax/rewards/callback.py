@@ -39,7 +39,9 @@ class RewardCallback:
 
     ``mask_bt`` marks the completion's real tokens (the sampler's ``mask``); its row sums are the
     lengths passed to length rewards. `eager` runs the same scoring on NumPy inputs. ``last_infos``
-    keeps the per-row info dicts of the latest call, for logging.
+    keeps the per-row info dicts of the latest call, for logging. Host time spent in calls
+    (decode + verify) accumulates until `take_seconds()` reads and resets it, so an iteration that
+    calls the verifiers twice (ReMax's greedy baseline) reports the sum.
     """
 
     def __init__(self, reward_fn: RewardFn, decoder: Any, table: Sequence[Any],
@@ -47,7 +49,7 @@ class RewardCallback:
         self.reward_fn, self.table, self.pool = reward_fn, table, pool
         self.decode = _decoder(decoder)
         self.last_infos: list[dict] = []
-        self.last_seconds = 0.0  # wall time of the latest call (decode + verify), for stage timings
+        self._seconds = 0.0  # wall time of the calls since the last take_seconds()
 
     def eager(self, tokens_bt: Any, mask_bt: Any, index_b: Any) -> Rewards:
         """Scores on the host; returns `Rewards` of NumPy arrays."""
@@ -65,8 +67,13 @@ class RewardCallback:
         metas = [self.table[int(i)] for i in index_b]
         rewards, self.last_infos = self.reward_fn.batch(metas, texts, num_tokens=mask_bt.sum(1),
                                                         pool=self.pool)
-        self.last_seconds = time.perf_counter() - start
+        self._seconds += time.perf_counter() - start
         return rewards
+
+    def take_seconds(self) -> float:
+        """Host seconds spent scoring since the previous call (all calls summed), then resets."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
 
     def __call__(self, tokens_bt: Any, mask_bt: Any, index_b: Any) -> Rewards:
         """The same scores through ``io_callback``: usable inside ``jax.jit``."""

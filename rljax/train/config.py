@@ -14,7 +14,9 @@ from typing import Any, Literal
 from rljax.config_io import apply_overrides, build, load_toml, to_dict
 from rljax.errors import ConfigError
 from rljax.objectives.config import AlgorithmConfig
+from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig
+from rljax.update import UpdateConfig
 from rljax.sampling.controls import SampleControls
 
 
@@ -75,10 +77,12 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
-    """The reward: a correctness verifier plus optional format and length terms.
+    """The reward: a correctness verifier plus an optional format term, scored on the host.
 
     kind: `reasoning_gym` (the task's own scorer), `math` (math-verify on the extracted answer),
-    or `code` (sandboxed unit tests). `answer_methods` orders the extractors tried.
+    or `code` (sandboxed unit tests). `answer_methods` orders the extractors tried. Length terms
+    (DAPO's overlong punishment, a length cost) are applied on device by the `[shaping]` section
+    (`rljax.objectives.shaping.RewardShaping`).
     """
 
     kind: Literal["reasoning_gym", "math", "code"] = "reasoning_gym"
@@ -111,7 +115,8 @@ class WarmStartSection:
 @dataclasses.dataclass(frozen=True)
 class RLSection:
     """The RL schedule. `dynamic_sampling` over-samples `oversample` x prompts and keeps groups
-    whose rewards differ (DAPO, 2025)."""
+    whose rewards differ (DAPO, 2025). `reference_reset_every` > 0 resets the KL reference to the
+    current policy (and restarts the optimiser moments) every that many iterations (ProRL, 2025)."""
 
     iterations: int = 60
     prompts_per_iteration: int = 64
@@ -167,9 +172,13 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSection:
+    """Where metrics go. Every `samples_every` iterations (0: never) a few sampled completions
+    with their rewards are logged (samples.jsonl, TensorBoard text, a wandb table)."""
+
     tensorboard: bool = True
     wandb_project: str | None = None
     progress_bar: bool = True
+    samples_every: int = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +195,8 @@ class TrainConfig:
     # eos_ids / pad_id stay None ("the tokenizer's"): fill them with `cfg.sampling.with_tokenizer(tok)`.
     sampling: SampleControls = SampleControls(max_new_tokens=8, num_samples=8)
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    shaping: RewardShaping = RewardShaping()
+    update: UpdateConfig = UpdateConfig()
     optim: OptimConfig = OptimConfig()
     warm_start: WarmStartSection = WarmStartSection()
     rl: RLSection = RLSection()
@@ -196,10 +207,9 @@ class TrainConfig:
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples
-        micro = self.algorithm.num_minibatches * self.algorithm.num_microbatches
-        if n % micro:
+        if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
-                              f"algorithm.num_minibatches * num_microbatches = {micro}")
+                              f"update.num_minibatches * num_microbatches = {self.update.chunks}")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -225,14 +235,23 @@ def recipe_path(path: str | Path | None) -> Path:
     return given  # load_toml reports the missing file
 
 
+# Keys that left `[algorithm]` when it was split by concern; an old recipe gets the new home.
+_MOVED = {**{k: "update" for k in ("num_epochs", "num_minibatches", "num_microbatches", "remat", "unroll_layers")},
+          **{k: "shaping" for k in ("overlong_max_length", "overlong_buffer", "length_penalty")}}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Loads a recipe (default: the packaged tiny CPU job; a bare name such as `ppo` picks a
     packaged recipe) and applies `key=value` overrides."""
     mapping = apply_overrides(load_toml(recipe_path(path)), list(overrides))
+    moved = sorted(set(mapping.get("algorithm", {})) & set(_MOVED))
+    if moved:
+        key = moved[0]
+        raise ConfigError(f"algorithm.{key} moved to the [{_MOVED[key]}] section; write {_MOVED[key]}.{key} instead")
     cfg = build(TrainConfig, mapping)
     if "total_steps" not in mapping.get("optim", {}):
         # The schedule spans the run unless the recipe says otherwise: one optimiser step per
         # mini-batch per epoch per iteration.
-        total = cfg.rl.iterations * cfg.algorithm.num_epochs * cfg.algorithm.num_minibatches
+        total = cfg.rl.iterations * cfg.update.num_epochs * cfg.update.num_minibatches
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, total_steps=max(total, 1)))
     return cfg

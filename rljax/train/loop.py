@@ -1,10 +1,13 @@
-"""The RL loop of `rljax train`: warm start, then compiled iterations, with eval and checkpoints.
+"""The RL loop of `rljax train`, as its outline:
 
+    run = build_run(cfg)                                  # tokenizer, policy, data, reward, writers
+    state, start, history = initial_state(run)            # restore, or warm start + first eval
+    iteration = compile_iteration(run, state)             # rollout -> update, one program
     for it in range(start, iterations):
-        prompts = next(data)                                   # grain: seeded, this process's rows
-        state, metrics = iteration(state, prompts, key_it)      # ONE compiled program: sample ->
-                                                                # verify (io_callback) -> update
-        every eval.every:  greedy accuracy on the held-out split
+        state = maybe_reset_reference(state, it)
+        state, metrics, preview = iteration(state, next(prompts), fold_in(key, it))
+        every eval.every:       greedy accuracy on the held-out split
+        every samples_every:    a few completions with their rewards
         every checkpoint.every: async orbax save (params, opt state, step, rng, data state, config)
 
 With `mesh.sampler = "tensor"` the iteration is two programs instead (sampler layout, then
@@ -21,14 +24,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from rljax.checkpoint import Checkpointer
-from rljax.data.pipeline import prompt_batches
-from rljax.data.pipeline import shard_rows
+from rljax.data.example import verifier_metadata
+from rljax.data.pipeline import PromptData, prompt_batches, shard_rows
 from rljax.errors import CheckpointError, ConfigError
 from rljax.evaluation.runner import EvalSetup, greedy_accuracy
 from rljax.rewards import as_callback
@@ -53,6 +56,30 @@ class RunResult:
     plot: Path | None
 
 
+@dataclasses.dataclass
+class Run:
+    """The pieces of a run, built once from its config (`build_run`)."""
+
+    cfg: TrainConfig
+    out: Path
+    keys: dict[str, jax.Array]  # init, warm, loop
+    trainer_layout: Layout | None
+    sampler_layout: Layout | None
+    tokenizer: Any
+    model_cfg: Any
+    params: Any  # the initial policy (before any warm start)
+    train_set: tuple
+    fmt: Any
+    reward_fn: Any
+    data: PromptData
+    num_prompts: int  # sampled per iteration (over-sampled for dynamic sampling)
+    controls: SampleControls
+    evaluator: EvalSetup
+    writer: MetricsWriter
+    ckpt: Checkpointer
+    log: Callable[[str], None]
+
+
 def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
     """The run's sampling controls with the tokenizer's EOS and pad ids where the recipe sets none."""
     return cfg.sampling.with_tokenizer(tokenizer)
@@ -60,119 +87,198 @@ def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
 
 def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     """Runs `cfg` to completion (or resumes it from its latest checkpoint) and returns the result."""
+    run = build_run(cfg, resume=resume, log=log)
+    state, start, history, data_iter = initial_state(run, resume=resume)
+    iteration, callback = compile_iteration(run, state)
+    progress = Progress(cfg.rl.iterations, start, enabled=_is_main() and cfg.metrics.progress_bar)
+    accuracy = next((r["eval/accuracy"] for r in reversed(history) if r.get("eval/accuracy") is not None), None)
+    for it in range(start, cfg.rl.iterations):
+        prompts = next(data_iter)
+        t0 = time.perf_counter()
+        state = maybe_reset_reference(state, it, cfg.rl.reference_reset_every)
+        state, metrics, preview = iteration(state, *_prompt_arrays(run, prompts), jax.random.fold_in(run.keys["loop"], it))
+        metrics = step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(), run.sampler_layout is None)
+        step = it + 1
+        last = step == cfg.rl.iterations
+        if step % cfg.eval.every == 0 or last:
+            accuracy = metrics["eval/accuracy"] = greedy_accuracy(run.evaluator, _eval_params(state.params, run))
+        run.writer.write(step, metrics)
+        if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
+            run.writer.write_samples(step, preview_samples(run, preview))
+        history.append({"step": step, **metrics})
+        progress.update(metrics)
+        if step % cfg.checkpoint.every == 0 or last:
+            save(run, state, step, data_iter, accuracy)
+    progress.close()
+    return finish(run, state, history, accuracy)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
+    """Tokenizer, policy, splits, reward, prompt pipeline, evaluator, metrics writer, checkpointer."""
     out = Path(cfg.output_dir)
     if not resume and any((out / "checkpoints").glob("[0-9]*")):
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run, or set "
                               f"output_dir=... for a new one")
     out.mkdir(parents=True, exist_ok=True)
-    is_main = jax.process_index() == 0
-    key = jax.random.key(cfg.seed)
-    k_init, k_warm, k_loop = jax.random.split(key, 3)
-
-    state_layout, sampler_layout = setup.build_layouts(cfg.mesh)
+    k_init, k_warm, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
+    trainer_layout, sampler_layout = setup.build_layouts(cfg.mesh)
     tokenizer = setup.build_tokenizer(cfg.model)
     model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init)
     train_set, held_out, skipped = setup.build_splits(cfg.data)
     fmt = setup.prompt_format(cfg.data)
     reward_fn = setup.build_reward(cfg.reward)
     log(setup.run_summary(cfg, model_cfg, params, train_set, held_out) + (f" | skipped rows {skipped}" if skipped else ""))
-
-    over = max(1, round(cfg.rl.prompts_per_iteration * cfg.rl.oversample)) if cfg.rl.dynamic_sampling \
+    num_prompts = max(1, round(cfg.rl.prompts_per_iteration * cfg.rl.oversample)) if cfg.rl.dynamic_sampling \
         else cfg.rl.prompts_per_iteration
-    data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=over, seed=cfg.data.seed,
+    data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=num_prompts, seed=cfg.data.seed,
                           max_prompt_len=cfg.data.max_prompt_tokens, fmt=fmt,
                           buckets=cfg.data.prompt_buckets or None, add_bos=cfg.data.add_bos)
     controls = sample_controls(cfg, tokenizer)
     evaluator = EvalSetup.build(model_cfg, held_out[:cfg.eval.size], tokenizer, fmt, reward_fn, controls,
                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
     writer = MetricsWriter(out, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
-                           config=cfg.to_dict(), enabled=is_main, resume=resume)
+                           config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                         best_metric=cfg.checkpoint.best_metric)
+    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop},
+               trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
+               model_cfg=model_cfg, params=params, train_set=train_set, fmt=fmt, reward_fn=reward_fn, data=data,
+               num_prompts=num_prompts, controls=controls, evaluator=evaluator, writer=writer, ckpt=ckpt, log=log)
 
-    data_iter = iter(data.dataset)
-    start = 0
-    history: list[dict[str, Any]] = []
-    start_accuracy = None
-    if resume and ckpt.latest_step() is not None:
-        # Restore straight into the trainer layout: each process reads only the shards it holds.
-        template = _place(init_train_state(model_cfg, params, cfg.algorithm, cfg.optim), state_layout)
-        restored = ckpt.restore(params=template.params, opt_state=template.opt_state,
-                                extra=_extra(template), model_config=model_cfg)
-        state = template.replace(params=restored.params, opt_state=restored.opt_state, **restored.extra)
-        data_iter.set_state(restored.data_state)
-        start = restored.step
-        writer.truncate_after(start)
-        history = writer.read()
-        start_accuracy = history[0].get("eval/accuracy") if history else None
-        log(f"resumed from {ckpt.directory}/{start}")
-    else:
-        if resume:
-            log(f"no checkpoint in {ckpt.directory}; starting from scratch")
-        if cfg.warm_start.steps:
-            validation = EvalSetup.build(model_cfg, train_set[:cfg.warm_start.validation_size], tokenizer, fmt,
-                                         reward_fn, controls, max_prompt_len=cfg.data.max_prompt_tokens,
-                                         add_bos=cfg.data.add_bos)
-            params = run_warm_start(cfg, model_cfg, params, tokenizer, train_set, fmt, k_warm,
-                                    validation=validation, log=log)
-        state = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim)
-        start_accuracy = greedy_accuracy(evaluator, state.params)
-        state = _place(state, state_layout)
-        log(f"held-out greedy accuracy before RL: {start_accuracy:.3f}")
-        row = {"step": 0, "eval/accuracy": start_accuracy}
-        writer.write(0, row)
-        history.append(row)
 
-    callback = as_callback(reward_fn, tokenizer, [setup.verifier_metadata(e) for e in data.examples])
-    # Shapes are global: prompts_per_iteration groups from `over` prompts over all processes.
-    kwargs = dict(num_groups=cfg.rl.prompts_per_iteration, dynamic_sampling=cfg.rl.dynamic_sampling,
-                  greedy_baseline=cfg.algorithm.advantage == "remax")
-    if sampler_layout is not None:
-        iteration = make_split_iteration(controls, callback, state, num_prompts=over, trainer=state_layout,
-                                         sampler=sampler_layout, **kwargs)
+def new_train_state(run: Run, params) -> TrainState:
+    cfg = run.cfg
+    return init_train_state(run.model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
+                            shaping=cfg.shaping)
+
+
+def initial_state(run: Run, *, resume: bool):
+    """(state, first iteration, metric history, prompt iterator): restored from the latest
+    checkpoint when resuming, else a fresh state after the warm start, with the held-out
+    accuracy before RL as history row 0."""
+    data_iter = iter(run.data.dataset)
+    if resume and run.ckpt.latest_step() is not None:
+        state, start = restore(run, data_iter)
+        run.writer.truncate_after(start)
+        return state, start, run.writer.read(), data_iter
+    if resume:
+        run.log(f"no checkpoint in {run.ckpt.directory}; starting from scratch")
+    params = warm_start(run)
+    state = new_train_state(run, params)
+    accuracy = greedy_accuracy(run.evaluator, state.params)
+    run.log(f"held-out greedy accuracy before RL: {accuracy:.3f}")
+    row = {"step": 0, "eval/accuracy": accuracy}
+    run.writer.write(0, row)
+    return _place(state, run.trainer_layout), 0, [row], data_iter
+
+
+def restore(run: Run, data_iter) -> tuple[TrainState, int]:
+    """The latest checkpoint, placed straight into the trainer layout (each process reads only the
+    shards it holds), with the prompt iterator set to the batch after it."""
+    template = _place(new_train_state(run, run.params), run.trainer_layout)
+    restored = run.ckpt.restore(params=template.params, opt_state=template.opt_state, extra=_extra(template),
+                                model_config=run.model_cfg)
+    data_iter.set_state(restored.data_state)
+    run.log(f"resumed from {run.ckpt.directory}/{restored.step}")
+    return template.replace(params=restored.params, opt_state=restored.opt_state, **restored.extra), restored.step
+
+
+def warm_start(run: Run):
+    """The policy after the optional supervised warm start (the initial one when it is off)."""
+    cfg = run.cfg
+    if not cfg.warm_start.steps:
+        return run.params
+    validation = EvalSetup.build(run.model_cfg, run.train_set[:cfg.warm_start.validation_size], run.tokenizer,
+                                 run.fmt, run.reward_fn, run.controls, max_prompt_len=cfg.data.max_prompt_tokens,
+                                 add_bos=cfg.data.add_bos)
+    return run_warm_start(cfg, run.model_cfg, run.params, run.tokenizer, run.train_set, run.fmt, run.keys["warm"],
+                          validation=validation, log=run.log)
+
+
+def compile_iteration(run: Run, state: TrainState):
+    """The iteration program(s) and the verifier callback they call (its host time is read per step).
+    Shapes are global: `prompts_per_iteration` groups from `num_prompts` prompts over all processes."""
+    cfg = run.cfg
+    callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
+    common = dict(num_groups=cfg.rl.prompts_per_iteration, needs=cfg.algorithm.needs,
+                  dynamic_sampling=cfg.rl.dynamic_sampling)
+    if run.sampler_layout is not None:
+        iteration = make_split_iteration(run.controls, callback, state, num_prompts=run.num_prompts,
+                                         trainer=run.trainer_layout, sampler=run.sampler_layout, **common)
     else:
-        iteration = make_iteration(controls, callback, layout=state_layout, **kwargs)
-    prompt_layout = sampler_layout or state_layout
+        iteration = make_iteration(run.controls, callback, layout=run.trainer_layout, **common)
+    prompt_layout = run.sampler_layout or run.trainer_layout
     if prompt_layout is not None:
-        _check_process_rows(prompt_layout, over)
-    progress = Progress(cfg.rl.iterations, start, enabled=is_main and cfg.metrics.progress_bar)
-    accuracy = next((r["eval/accuracy"] for r in reversed(history) if r.get("eval/accuracy") is not None), None)
-    for it in range(start, cfg.rl.iterations):
-        batch = next(data_iter)
-        t0 = time.perf_counter()
-        if cfg.rl.reference_reset_every and it and it % cfg.rl.reference_reset_every == 0 \
-                and state.ref_params is not None:
-            state = reset_reference(state)
-        prompts = (batch.tokens_bt, batch.mask_bt, batch.indices_b.astype(np.int32))
-        if prompt_layout is not None:
-            prompts = global_batch(prompts, prompt_layout.mesh)  # this process's rows -> global arrays
-        state, metrics = iteration(state, *prompts, jax.random.fold_in(k_loop, it))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # replicated: every process reads
-        dt = time.perf_counter() - t0
-        metrics["time/iteration_s"] = dt
-        # The verifier callback is timed on the host (on process 0, where it runs).
-        metrics["time/verify_s"] = callback.last_seconds
-        if sampler_layout is None:  # sampling and the update share one compiled program
-            metrics["time/sample_and_update_s"] = dt - callback.last_seconds
-        metrics["tokens_per_s"] = metrics["tokens/generated"] / dt
-        step = it + 1
-        if step % cfg.eval.every == 0 or step == cfg.rl.iterations:
-            accuracy = greedy_accuracy(evaluator, _eval_params(state.params, state_layout))
-            metrics["eval/accuracy"] = accuracy
-        writer.write(step, metrics)
-        history.append({"step": step, **metrics})
-        progress.update(metrics)
-        if step % cfg.checkpoint.every == 0 or step == cfg.rl.iterations:
-            best = {cfg.checkpoint.best_metric: accuracy} if cfg.checkpoint.best_metric else None
-            ckpt.save(step, params=state.params, opt_state=state.opt_state, extra=_extra(state), rng=k_loop,
-                      data_state=data_iter.get_state(), config=cfg.to_dict(), model_config=model_cfg,
-                      metrics=best)
-    progress.close()
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
-    plot = plot_curves(writer.read(), out / "curves.png") if is_main else None
-    return RunResult(out, state, history, start_accuracy, accuracy, plot)
+        _check_process_rows(prompt_layout, run.num_prompts)
+    return iteration, callback
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
+def maybe_reset_reference(state: TrainState, it: int, every: int) -> TrainState:
+    """ProRL's reference reset every `every` iterations (0: never), before iteration `it` runs."""
+    if every and it and it % every == 0 and state.ref_params is not None:
+        return reset_reference(state)
+    return state
+
+
+def step_metrics(metrics, seconds: float, verify_seconds: float, fused: bool) -> dict[str, float]:
+    """Host floats of an iteration's metrics plus its timings. `verify_seconds` is the verifier
+    callback's host time summed over its calls this iteration."""
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}  # replicated: every process reads
+    out["time/iteration_s"] = seconds
+    out["time/verify_s"] = verify_seconds  # timed on the host of process 0, where it runs
+    if fused:  # sampling and the update share one compiled program
+        out["time/sample_and_update_s"] = seconds - verify_seconds
+    out["rollout/tokens_per_s"] = out["rollout/tokens"] / seconds
+    return out
+
+
+def preview_samples(run: Run, preview) -> list[dict[str, Any]]:
+    """A few sampled rows as text, for the sample log: prompt, completion and reward."""
+    p = jax.device_get(preview)
+    prompts = run.tokenizer.decode_batch([t[m].tolist() for t, m in zip(p.prompt_tokens_kt, p.prompt_mask_kt)],
+                                         skip_special=True)
+    completions = run.tokenizer.decode_batch(
+        [t[m].tolist() for t, m in zip(p.completion_tokens_kc, p.completion_mask_kc)], skip_special=True)
+    return [{"prompt": q, "completion": c, "reward": float(r), "example_id": run.data.examples[int(i)].id}
+            for q, c, r, i in zip(prompts, completions, p.rewards_k, p.prompt_index_k)]
+
+
+def save(run: Run, state: TrainState, step: int, data_iter, accuracy: float | None) -> None:
+    best = {run.cfg.checkpoint.best_metric: accuracy} if run.cfg.checkpoint.best_metric else None
+    run.ckpt.save(step, params=state.params, opt_state=state.opt_state, extra=_extra(state), rng=run.keys["loop"],
+                  data_state=data_iter.get_state(), config=run.cfg.to_dict(), model_config=run.model_cfg,
+                  metrics=best)
+
+
+def finish(run: Run, state: TrainState, history: list[dict[str, Any]], accuracy: float | None) -> RunResult:
+    run.ckpt.wait()
+    run.ckpt.close()
+    run.writer.close()
+    plot = plot_curves(run.writer.read(), run.out / "curves.png", keys=("rollout/reward_mean", "eval/accuracy")) \
+        if _is_main() else None
+    start_accuracy = history[0].get("eval/accuracy") if history else None
+    return RunResult(run.out, state, history, start_accuracy, accuracy, plot)
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
+def _prompt_arrays(run: Run, prompts):
+    arrays = (prompts.tokens_bt, prompts.mask_bt, prompts.indices_b.astype(np.int32))
+    layout = run.sampler_layout or run.trainer_layout
+    if layout is not None:
+        arrays = global_batch(arrays, layout.mesh)  # this process's rows -> global arrays
+    return arrays
 
 
 def _check_process_rows(layout: Layout, global_rows: int) -> None:
@@ -195,12 +301,12 @@ def _place(state: TrainState, layout: Layout | None) -> TrainState:
     return jax.device_put(jax.device_get(state) if jax.process_count() > 1 else state, layout.tree(state))
 
 
-def _eval_params(params, layout: Layout | None):
+def _eval_params(params, run: Run):
     """Params the host-driven evaluator can use: across processes, a full copy on every device
     (so each process decodes and reads back whole arrays); otherwise as they are."""
-    if layout is None or jax.process_count() == 1:
+    if run.trainer_layout is None or jax.process_count() == 1:
         return params
-    return jax.device_put(params, layout.replicated)
+    return jax.device_put(params, run.trainer_layout.replicated)
 
 
 def _extra(state: TrainState) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""The rollout: prompts in, a `RolloutBatch` for the update step out (traceable).
+
+    prompts [P, T] --sample (prefill once, while_loop decode)--> completions [P * n, C]
+            --verifiers (io_callback: ids -> text -> pool -> float32)--> rewards [P * n]
+            --[dynamic sampling: keep groups whose rewards differ]--> G groups of n rows
+            --[what the objective declares it needs, e.g. a greedy baseline]--> RolloutBatch
+
+What the objective needs beyond tokens, log-probs and rewards comes from
+`AlgorithmConfig.needs` (declared by its registry entries); each need has its producer here, so
+a new kind of rollout data is one field on `RolloutBatch` plus one producer below.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rljax.data.filtering import dynamic_sample
+from rljax.objectives.config import RolloutNeeds
+from rljax.sampling import FINISH_LENGTH, SampleControls, sample
+from rljax.update import RolloutBatch
+
+PREVIEW_ROWS = 4
+
+
+@flax.struct.dataclass
+class RolloutPreview:
+    """A few sampled rows for the sample log: one completion of each of the first k prompts."""
+
+    prompt_tokens_kt: jax.Array
+    prompt_mask_kt: jax.Array
+    completion_tokens_kc: jax.Array
+    completion_mask_kc: jax.Array
+    rewards_k: jax.Array
+    prompt_index_k: jax.Array
+
+
+def _repeat_rows(x, n):
+    return jnp.repeat(x, n, axis=0)
+
+
+def greedy_baseline(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, controls: SampleControls,
+                    reward_callback: Callable):
+    """ReMax's baseline (Li et al., 2023): the reward of each prompt's greedy completion, [P]."""
+    greedy = sample(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls.greedy_version())
+    return reward_callback(greedy.tokens, greedy.mask, index_p).total_b
+
+
+def rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, controls: SampleControls,
+            reward_callback: Callable, num_groups: int, needs: RolloutNeeds = RolloutNeeds(),
+            dynamic_sampling: bool = False) -> tuple[RolloutBatch, dict[str, jax.Array], RolloutPreview]:
+    """Sample, score and select: the update's `RolloutBatch` of `num_groups` x n rows, the
+    `rollout/...` metrics (over every sampled row) and a preview of a few rows.
+
+    P prompts are sampled (P > num_groups over-samples for dynamic sampling, DAPO 2025: groups
+    whose rewards all agree are dropped, and missing groups are filled with masked copies).
+    """
+    n = controls.num_samples
+    out = sample(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls)
+    rewards = reward_callback(out.tokens, out.mask, _repeat_rows(index_p, n))
+    p = prompt_tokens_pt.shape[0]
+    metrics: dict[str, jax.Array] = {}
+    if dynamic_sampling:
+        sel = dynamic_sample(rewards.total_b.reshape(p, n), num_groups)
+        groups_g, valid_g = sel.indices_g, sel.valid_g
+        metrics.update({"rollout/dynamic_kept": sel.num_kept, "rollout/dynamic_padded": sel.num_padded,
+                        "rollout/dynamic_dropped": sel.num_dropped})
+    else:
+        groups_g = jnp.arange(num_groups, dtype=jnp.int32)
+        valid_g = jnp.ones((num_groups,), bool)
+    rows = (groups_g[:, None] * n + jnp.arange(n)[None, :]).reshape(-1)
+    take = lambda x: jnp.take(x, rows, axis=0)  # noqa: E731
+    prompt_tokens = _repeat_rows(prompt_tokens_pt[groups_g], n)
+    prompt_mask = _repeat_rows(prompt_mask_pt[groups_g], n)
+    completion_mask = take(out.mask) & _repeat_rows(valid_g, n)[:, None]
+    zeros = jnp.zeros(prompt_mask.shape, out.logprobs.dtype)
+    baseline = None
+    if needs.greedy_baseline:
+        baseline_p = greedy_baseline(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
+                                     reward_callback=reward_callback)
+        baseline = _repeat_rows(baseline_p[groups_g], n)
+        metrics["rollout/baseline_reward_mean"] = jnp.mean(baseline_p)
+    batch = RolloutBatch(
+        tokens_bt=jnp.concatenate([prompt_tokens, take(out.tokens)], axis=1),
+        attn_mask_bt=jnp.concatenate([prompt_mask, take(out.mask)], axis=1),
+        loss_mask_bt=jnp.concatenate([zeros.astype(bool), completion_mask], axis=1),
+        sampler_logp_bt=jnp.concatenate([zeros, take(out.logprobs)], axis=1),
+        rewards_b=take(rewards.total_b), group_ids_b=jnp.repeat(jnp.arange(num_groups), n),
+        completion_len=controls.max_new_tokens, baseline_rewards_b=baseline)
+    lengths = out.lengths.astype(jnp.float32)
+    metrics.update({
+        "rollout/reward_mean": jnp.mean(rewards.total_b),
+        "rollout/reward_std": jnp.std(rewards.total_b),
+        "rollout/length_mean": jnp.mean(lengths),
+        "rollout/length_max": jnp.max(lengths),
+        "rollout/clipped_frac": jnp.mean((out.finish_reason == FINISH_LENGTH).astype(jnp.float32)),
+        "rollout/verifier_failed": jnp.sum(rewards.failed_b.astype(jnp.int32)),
+        "rollout/tokens": jnp.sum(out.lengths),
+    })
+    metrics.update({f"rollout/reward_{k}": jnp.mean(v) for k, v in rewards.parts.items()})
+    k = min(PREVIEW_ROWS, p)
+    first = jnp.arange(k) * n  # sample 0 of prompts 0..k-1
+    preview = RolloutPreview(prompt_tokens_kt=prompt_tokens_pt[:k], prompt_mask_kt=prompt_mask_pt[:k],
+                             completion_tokens_kc=out.tokens[first], completion_mask_kc=out.mask[first],
+                             rewards_k=rewards.total_b[first], prompt_index_k=index_p[:k])
+    return batch, metrics, preview

@@ -1,0 +1,186 @@
+"""The rollout -> update contract: what a rollout hands the update step, and what the update step
+derives from it before any gradient is taken.
+
+    RolloutBatch   (from a sampler, a replay buffer, or a notebook)
+        --prepare_batch(state, batch)-->  PreparedBatch + metrics
+            shaped rewards; old, reference and behaviour log-probs; old values; advantages;
+            off-policy weights. Everything here is computed once, without gradients.
+
+Both are pytrees of [B, ...] arrays (rows prompt-major when groups come from a sampler), so the
+update step shuffles and splits them with one `tree.map`. Optional fields are None when the
+objective does not need them; `AlgorithmConfig.needs` says which are needed, from the registry
+entries' declarations, and `prepare_batch` fails with one line when a needed one is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rljax.errors import ConfigError
+from rljax.models import token_logprobs, values
+from rljax.objectives.advantages import whiten_advantages, zero_variance_groups
+from rljax.objectives.kl import kl
+from rljax.objectives.registry import ADVANTAGES, OFF_POLICY
+
+sg = jax.lax.stop_gradient
+
+
+@flax.struct.dataclass
+class RolloutBatch:
+    """One batch of scored rollouts: prompt (left-padded) then completion, in every [B, T] array.
+
+    tokens_bt: int; attn_mask_bt: True on real tokens; loss_mask_bt: True on the completion tokens
+    to train on (an all-False row is a filler and weighs nothing); sampler_logp_bt: f32 log-probs
+    of the policy that drew each token (column t scores token t; 0 off the completion);
+    rewards_b: f32 verifier rewards; group_ids_b: int in [0, B), one id per prompt group;
+    completion_len: the completion budget in tokens (the sampler's `max_new_tokens`, static), the
+    constant length of Dr. GRPO's aggregation and the scale of the length penalty.
+    Declared needs (`AlgorithmConfig.needs`): baseline_rewards_b, the greedy response's reward
+    (ReMax); old_values_bt, V(state before token t) from the rollout's value model (computed by
+    `prepare_batch` when absent).
+    """
+
+    tokens_bt: jax.Array
+    attn_mask_bt: jax.Array
+    loss_mask_bt: jax.Array
+    sampler_logp_bt: jax.Array
+    rewards_b: jax.Array
+    group_ids_b: jax.Array
+    completion_len: int = flax.struct.field(pytree_node=False)
+    baseline_rewards_b: jax.Array | None = None
+    old_values_bt: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class PreparedBatch:
+    """What the loss reads, per row: the rollout plus everything derived from it without gradients.
+
+    loss_mask_bt: f32, the rollout's mask less any tokens the off-policy correction dropped;
+    old_logp_bt: the ratio's denominator (the sampler's log-probs, or the trainer's own when
+    `recompute_old_logp`); is_weight_bt: the off-policy weight (1 without a correction);
+    advantages_bt: per-token advantages (0 off the mask); ref_logp_bt: the reference policy's
+    log-probs (KL term); old_values_bt / returns_bt: the value model's targets (PPO).
+    """
+
+    tokens_bt: jax.Array
+    attn_mask_bt: jax.Array
+    loss_mask_bt: jax.Array
+    old_logp_bt: jax.Array
+    is_weight_bt: jax.Array
+    advantages_bt: jax.Array
+    ref_logp_bt: jax.Array | None = None
+    old_values_bt: jax.Array | None = None
+    returns_bt: jax.Array | None = None
+
+
+def state_values(cfg, value_params, tokens_bt, attn_mask_bt, *, remat: bool = False, unroll: bool = False):
+    """V(state before token t): the value head on the hidden state at t - 1 (column 0 is 0)."""
+    v_bt = values(cfg, value_params, tokens_bt, attn_mask_bt, remat=remat, unroll=unroll)
+    return jnp.concatenate([jnp.zeros_like(v_bt[:, :1]), v_bt[:, :-1]], axis=1)
+
+
+def _chunked(fn, chunks: int, *arrays):
+    """fn over `chunks` row blocks with lax.map (bounded memory for no-grad scoring passes)."""
+    if chunks == 1:
+        return fn(*arrays)
+    split = [a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]) for a in arrays]
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split))
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _check_provides(algo, batch: RolloutBatch) -> None:
+    needs = algo.needs
+    if needs.greedy_baseline and batch.baseline_rewards_b is None:
+        raise ConfigError(f"advantage={algo.advantage!r} needs batch.baseline_rewards_b (the greedy response's "
+                          "reward): build the rollout with `needs=algo.needs` (rljax.train.rollout)")
+
+
+def _masked_mean(x_b, weight_b):
+    return jnp.sum(x_b * weight_b) / jnp.maximum(jnp.sum(weight_b), 1.0)
+
+
+def logp_mismatch(trainer_logp_bt, sampler_logp_bt, mask_bt) -> dict[str, jax.Array]:
+    """|trainer log-prob - sampler log-prob| over the completion tokens, for the same params: the
+    sampler/trainer numerics gap that a PPO ratio starts from (mean and max, in nats)."""
+    m = mask_bt.astype(bool)
+    diff = jnp.abs(trainer_logp_bt.astype(jnp.float32) - sampler_logp_bt.astype(jnp.float32))
+    return {"mismatch/logp_abs_mean": jnp.sum(jnp.where(m, diff, 0.0)) / jnp.maximum(jnp.sum(m), 1),
+            "mismatch/logp_abs_max": jnp.max(jnp.where(m, diff, 0.0))}
+
+
+def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, jax.Array]]:
+    """Shaped rewards, old/reference log-probs, old values, advantages and off-policy weights.
+
+    `state` is a `rljax.update.TrainState`. Traceable; `update_step` calls it inside its program.
+    Metrics (`train/...`) cover the rows the loss sees (non-empty loss masks), after shaping.
+    """
+    cfg, algo, schedule = state.model_cfg, state.algo, state.update_cfg
+    _check_provides(algo, batch)
+    needs = algo.needs
+    f32 = jnp.float32
+    mask = batch.loss_mask_bt.astype(f32)
+    lengths_b = jnp.sum(mask, axis=-1)
+    trained_b = (lengths_b > 0).astype(f32)
+    rewards_b = state.shaping.apply(batch.rewards_b, lengths_b, batch.completion_len)
+
+    chunks = schedule.chunks
+    toks, attn = batch.tokens_bt, batch.attn_mask_bt
+
+    def score(params):
+        return sg(_chunked(lambda t, a: token_logprobs(cfg, params, t, a)[0], chunks, toks, attn))
+
+    sampler_logp = batch.sampler_logp_bt.astype(f32)
+    old_logp, is_w = sampler_logp, jnp.ones_like(mask)
+    metrics: dict[str, jax.Array] = {}
+    if algo.recompute_old_logp:
+        trainer_logp = score(state.params)
+        is_w, kept = OFF_POLICY.get(algo.off_policy)(trainer_logp, sampler_logp, mask, cap=algo.off_policy_cap,
+                                                    level=algo.off_policy_level)
+        metrics.update(logp_mismatch(trainer_logp, sampler_logp, mask))
+        metrics["train/is_weight_mean"] = jnp.sum(is_w * kept) / jnp.maximum(jnp.sum(kept), 1.0)
+        metrics["train/is_dropped_frac"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(mask), 1.0)
+        old_logp, mask = trainer_logp, kept
+    ref_logp = token_rewards = None
+    if needs.reference_logp:
+        ref_logp = score(state.ref_params)
+        if algo.kl_in_reward:
+            token_rewards = -algo.kl_coef * kl(old_logp, ref_logp, algo.kl_estimator, clamp=algo.kl_clamp) * mask
+    old_values = None
+    if needs.values:
+        old_values = batch.old_values_bt
+        if old_values is None:
+            old_values = _chunked(lambda t, a: state_values(cfg, state.value_params, t, a), chunks, toks, attn)
+        old_values = sg(old_values.astype(f32))
+    adv = ADVANTAGES.get(algo.advantage)(
+        rewards_b, batch.group_ids_b, mask, token_rewards_bt=token_rewards, baseline_b=batch.baseline_rewards_b,
+        values_bt=old_values, gamma=algo.gamma, lam=algo.lam, std_normalize=algo.std_normalize, eps=algo.eps)
+    returns = None if old_values is None else sg(adv + old_values)  # value targets from raw advantages
+    if algo.whiten_advantages:
+        adv = whiten_advantages(adv, mask)
+    adv = sg(adv)
+
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    adv_mean = jnp.sum(adv * mask) / n
+    metrics.update({
+        "train/reward_mean": _masked_mean(rewards_b, trained_b),
+        "train/reward_raw_mean": _masked_mean(batch.rewards_b.astype(f32), trained_b),
+        "train/length_mean": _masked_mean(lengths_b, trained_b),
+        "train/rows": jnp.sum(trained_b),
+        "adv/mean": adv_mean, "adv/std": jnp.sqrt(jnp.sum(jnp.square(adv - adv_mean) * mask) / n),
+        "adv/max": jnp.max(jnp.where(mask > 0, adv, -jnp.inf)),
+        "adv/min": jnp.min(jnp.where(mask > 0, adv, jnp.inf)),
+        "train/zero_variance_groups": zero_variance_groups(batch.rewards_b.astype(f32), batch.group_ids_b),
+    })
+    prepared = PreparedBatch(tokens_bt=toks, attn_mask_bt=attn, loss_mask_bt=mask, old_logp_bt=old_logp,
+                             is_weight_bt=is_w, advantages_bt=adv, ref_logp_bt=ref_logp,
+                             old_values_bt=old_values, returns_bt=returns)
+    return prepared, metrics
+
+
+def rows(tree: Any, n: int):
+    """Splits every [B, ...] leaf into [n, B // n, ...] (mini- or micro-batches)."""
+    return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), tree)

@@ -1,0 +1,37 @@
+"""How the update step runs: its batch schedule and its compile switches (the TOML `[update]`
+section). What it optimises is `rljax.objectives.AlgorithmConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """The update step's schedule and compilation.
+
+    Schedule: `num_epochs` passes over `num_minibatches` shuffled mini-batches (one optimiser step
+    each), each split into `num_microbatches` whose gradients are accumulated.
+    Compilation: `remat` recomputes layer activations in the backward pass (less memory, more
+    compute); `unroll_layers` unrolls the layer scan of the trained forward (XLA can then fuse
+    across layer boundaries and schedule each layer's matmuls on their own; compiles take longer;
+    see `rljax.models.hidden_states` and BENCHMARKS.md).
+    """
+
+    num_epochs: int = 1
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    remat: bool = False
+    unroll_layers: bool = False
+
+    def __post_init__(self):
+        for name in ("num_epochs", "num_minibatches", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def chunks(self) -> int:
+        """Row blocks per batch: mini-batches x micro-batches (the batch size must divide by it)."""
+        return self.num_minibatches * self.num_microbatches

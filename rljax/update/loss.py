@@ -1,0 +1,95 @@
+"""The loss of one micro-batch of a `PreparedBatch`: policy loss, entropy bonus, KL and value terms.
+
+Every term is a (numerator, denominator) aggregation (`rljax.objectives.aggregation`); each
+micro-batch divides its numerator by the whole mini-batch's denominator, so accumulated
+gradients equal one big batch's exactly. Metrics are returned the same way: pairs to be summed
+over micro-batches and divided once, plus per-micro-batch extremes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rljax.models import ModelConfig, token_logprobs
+from rljax.objectives.aggregation import aggregate_parts
+from rljax.objectives.config import AlgorithmConfig
+from rljax.objectives.kl import kl
+from rljax.objectives.losses import value_loss
+from rljax.objectives.registry import POLICY_LOSSES
+from rljax.update.batch import PreparedBatch, state_values
+from rljax.update.config import UpdateConfig
+
+sg = jax.lax.stop_gradient
+
+MetricPairs = dict[str, tuple[jax.Array, jax.Array]]
+
+
+def aggregation_denominator(batch: PreparedBatch, algo: AlgorithmConfig, norm_length: int) -> jax.Array:
+    """The aggregation denominator of a whole (mini-)batch; the loss of each part divides by it."""
+    mask = batch.loss_mask_bt
+    return jnp.maximum(aggregate_parts(jnp.zeros_like(mask), mask, algo.aggregation, norm_length)[1], 1e-8)
+
+
+def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: ModelConfig, algo: AlgorithmConfig,
+                    update_cfg: UpdateConfig, norm_length: int, share: float = 1.0
+                    ) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
+    """Total loss of one micro-batch (numerators over the mini-batch denominator `den`) and its
+    metrics: (numerator, denominator) pairs and extremes. `share` is this micro-batch's share of
+    the mini-batch (1 / num_microbatches), so loss pairs (num, share * den) sum to the mini-batch's
+    own ratio for every aggregation mode."""
+    params, value_params = trainable
+    m = batch.loss_mask_bt
+    logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=True,
+                               remat=update_cfg.remat, unroll=update_cfg.unroll_layers)
+    pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
+        logp, batch.old_logp_bt, batch.advantages_bt, m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
+        dual_clip=algo.dual_clip)
+    pg_bt = pg_bt * batch.is_weight_bt
+
+    def agg(x_bt):
+        return aggregate_parts(x_bt, m, algo.aggregation, norm_length)[0]
+
+    loss_den = share * den
+    num_pg = agg(pg_bt)
+    total = num_pg / den
+    ent_num = agg(ent)
+    if algo.entropy_coef > 0:
+        total = total - algo.entropy_coef * ent_num / den
+    n_tok = jnp.sum(m)
+    msum = lambda x: jnp.sum(sg(x) * m)  # noqa: E731
+    log_ratio = logp - batch.old_logp_bt
+    pairs: MetricPairs = {
+        "loss/policy": (sg(num_pg), loss_den),
+        "loss/entropy": (sg(ent_num), loss_den),
+        "entropy": (msum(ent), n_tok),
+        "clip/low_frac": (msum(st["clip_low"]), n_tok),
+        "clip/high_frac": (msum(st["clip_high"]), n_tok),
+        "ratio/mean": (msum(st["ratio"]), n_tok),
+        # KL(pi_old || pi) for samples from pi_old: k3 with r = pi / pi_old (Schulman, 2020).
+        "approx_kl": (msum(kl(batch.old_logp_bt, logp, "k3")), n_tok),
+        "logp_diff/abs_mean": (msum(jnp.abs(log_ratio)), n_tok),
+    }
+    if algo.uses_reference:
+        kl_bt = kl(logp, batch.ref_logp_bt, algo.kl_estimator, clamp=algo.kl_clamp)
+        pairs["kl_ref"] = (msum(kl_bt), n_tok)
+        if not algo.kl_in_reward:
+            num_kl = agg(kl_bt)
+            total = total + algo.kl_coef * num_kl / den
+            pairs["loss/kl"] = (sg(num_kl), loss_den)
+    if algo.uses_values:
+        v_bt = state_values(cfg, value_params, batch.tokens_bt, batch.attn_mask_bt, remat=update_cfg.remat,
+                            unroll=update_cfg.unroll_layers)
+        num_vf = agg(value_loss(v_bt, batch.old_values_bt, batch.returns_bt, algo.value_clip))
+        total = total + algo.value_coef * num_vf / den
+        pairs["loss/value"] = (sg(num_vf), loss_den)
+        pairs["value/mean"] = (msum(v_bt), n_tok)
+    on = m > 0
+    extremes: dict[str, Any] = {
+        "ratio/max": jnp.max(jnp.where(on, st["ratio"], -jnp.inf)),
+        "ratio/min": jnp.min(jnp.where(on, st["ratio"], jnp.inf)),
+        "logp_diff/abs_max": jnp.max(jnp.where(on, jnp.abs(sg(log_ratio)), 0.0)),
+    }
+    return total, (pairs, extremes)

@@ -1,0 +1,148 @@
+"""One compiled RL update: `update_step(train_state, rollout_batch, rng) -> (train_state, metrics)`.
+
+Inside one jitted program (compiled once per batch shape and config):
+
+    prepare_batch: shaped rewards, old / reference log-probs, old values, advantages
+    for epoch in num_epochs:                       lax.scan
+        shuffle rows, split into num_minibatches   lax.scan
+            split into num_microbatches            lax.scan, gradients accumulated
+            optax update (global-norm clip, AdamW)
+
+Metrics are summed as (numerator, denominator) pairs and divided once at the end, so they equal
+one big batch's. Log-probs come from `rljax.models.token_logprobs`, the sampler's own scoring
+code: an on-policy ratio starts at 1 up to the sampler/trainer numerics gap, which is reported
+every step as `logp_diff/*` of the first mini-batch (`mismatch/*` when `recompute_old_logp`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from rljax.errors import ConfigError
+from rljax.models import ModelConfig, init_value_params
+from rljax.objectives.config import AlgorithmConfig
+from rljax.objectives.shaping import RewardShaping
+from rljax.optim import OptimConfig, make_optimizer, make_schedule
+from rljax.update.batch import RolloutBatch, prepare_batch, rows
+from rljax.update.config import UpdateConfig
+from rljax.update.loss import aggregation_denominator, microbatch_loss
+
+Params = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything an update changes, plus the static configs that shape the compiled program."""
+
+    model_cfg: ModelConfig = flax.struct.field(pytree_node=False)
+    algo: AlgorithmConfig = flax.struct.field(pytree_node=False)
+    optim: OptimConfig = flax.struct.field(pytree_node=False)
+    update_cfg: UpdateConfig = flax.struct.field(pytree_node=False)
+    shaping: RewardShaping = flax.struct.field(pytree_node=False)
+    step: jax.Array
+    params: Params
+    opt_state: Any
+    value_params: Params | None = None
+    ref_params: Params | None = None
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConfig, optim: OptimConfig, *,
+                     update_cfg: UpdateConfig = UpdateConfig(), shaping: RewardShaping = RewardShaping(),
+                     value_params: Params | None = None, key: jax.Array | None = None) -> TrainState:
+    """A fresh train state. The reference policy is a frozen copy of `params` when the objective
+    needs reference log-probs (a KL term); a value model is built on the policy backbone when it
+    needs values (`value_coef > 0`)."""
+    needs = algo.needs
+    if needs.values and value_params is None:
+        value_params = init_value_params(model_cfg, params, key if key is not None else jax.random.key(0))
+    value_params = value_params if needs.values else None
+    ref = _copy(params) if needs.reference_logp else None
+    opt_state = make_optimizer(optim).init((params, value_params))
+    return TrainState(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping,
+                      step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                      value_params=value_params, ref_params=ref)
+
+
+def reset_reference(state: TrainState, reset_optimizer: bool = True) -> TrainState:
+    """ProRL's reference reset (Liu et al., 2025): the reference becomes a copy of the current
+    policy and, by default, the optimiser moments restart."""
+    opt_state = make_optimizer(state.optim).init((state.params, state.value_params)) \
+        if reset_optimizer else state.opt_state
+    return state.replace(ref_params=_copy(state.params), opt_state=opt_state)
+
+
+def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    """update(train_state, batch, rng) -> (train_state, metrics), traceable (`update_step` is its
+    jitted, donating form; call this one inside a larger compiled program).
+
+    Epochs x shuffled mini-batches x accumulated micro-batches of the configured objective.
+    Metrics are device scalars: loss parts, clip fractions, approximate KL, entropy, ratio and
+    log-prob-difference statistics, grad norm, advantage and reward statistics.
+    """
+    cfg, algo, sched = state.model_cfg, state.algo, state.update_cfg
+    b = batch.tokens_bt.shape[0]
+    n_mb, n_micro = sched.num_minibatches, sched.num_microbatches
+    if b % sched.chunks:
+        raise ConfigError(f"batch size {b} must be divisible by update.num_minibatches * num_microbatches = "
+                          f"{sched.chunks}")
+    norm_length = algo.norm_length or batch.completion_len
+    tx = make_optimizer(state.optim)
+    prepared, metrics = prepare_batch(state, batch)
+    grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+
+    def minibatch(carry, mb):
+        trainable, opt_state = carry
+        den = aggregation_denominator(mb, algo, norm_length)
+
+        def micro(g_acc, part):
+            (_, aux), grads = grad_fn(trainable, part, den, cfg=cfg, algo=algo, update_cfg=sched,
+                                      norm_length=norm_length, share=1.0 / n_micro)
+            return jax.tree.map(jnp.add, g_acc, grads), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        grads, (pairs, ext) = jax.lax.scan(micro, zeros, rows(mb, n_micro))
+        pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), pairs)
+        ext = {k: (jnp.min if k.endswith("/min") else jnp.max)(v) for k, v in ext.items()}
+        pairs["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return (optax.apply_updates(trainable, updates), opt_state), (pairs, ext)
+
+    def epoch(carry, key):
+        shuffled = prepared
+        if n_mb > 1:
+            perm = jax.random.permutation(key, b)
+            shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), prepared)
+        return jax.lax.scan(minibatch, carry, rows(shuffled, n_mb))
+
+    keys = jax.random.split(rng, sched.num_epochs)
+    carry = ((state.params, state.value_params), state.opt_state)
+    ((params, value_params), opt_state), (pairs, ext) = jax.lax.scan(epoch, carry, keys)
+    # pairs and extremes are stacked [epochs, minibatches]
+    for name, (num, den) in pairs.items():
+        metrics[name] = jnp.sum(num) / jnp.maximum(jnp.sum(den), 1e-8)
+    for name, v in ext.items():
+        metrics[name] = (jnp.min if name.endswith("/min") else jnp.max)(v)
+    # The first mini-batch is scored with the params that sampled: its log-prob gap is the
+    # sampler/trainer mismatch (PPO's ratio at the start of the update).
+    first_num, first_den = pairs["logp_diff/abs_mean"]
+    metrics["logp_diff/first_abs_mean"] = first_num[0, 0] / jnp.maximum(first_den[0, 0], 1e-8)
+    metrics["logp_diff/first_abs_max"] = ext["logp_diff/abs_max"][0, 0]
+    metrics["lr"] = make_schedule(state.optim)(state.step)
+    metrics["num_updates"] = jnp.asarray(sched.num_epochs * n_mb, jnp.int32)
+    new_state = state.replace(step=state.step + sched.num_epochs * n_mb, params=params,
+                              value_params=value_params, opt_state=opt_state)
+    return new_state, metrics
+
+
+update_step = jax.jit(update, donate_argnums=(0,))
+"""The compiled update: `update_step(state, batch, rng)`; the state's buffers are donated (do not
+reuse the old state)."""

@@ -1,0 +1,126 @@
+"""The traceable rollout and the compiled iteration: the traced sampler equals `generate`, dynamic
+sampling keeps the groups a NumPy reference keeps, ReMax's greedy baseline equals an independent
+greedy run's reward, and the stages' metrics never overwrite each other."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax.models import init_params, preset
+from rljax.objectives import AlgorithmConfig, RolloutNeeds
+from rljax.optim import OptimConfig
+from rljax.rewards.base import Rewards
+from rljax.sampling import SampleControls, generate, sample
+from rljax.train.iteration import make_iteration, merge_metrics
+from rljax.train.rollout import rollout
+from rljax.update import init_train_state
+
+CFG = preset("qwen2-test")
+P, T, N, G = 6, 7, 4, 3
+CONTROLS = SampleControls(max_new_tokens=5, num_samples=N, temperature=1.0, eos_ids=(3,), pad_id=0)
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(4, CFG.vocab_size, (P, T)).astype(np.int32)
+    mask = np.ones((P, T), bool)
+    mask[1, :3] = False  # left padding
+    mask[4, :5] = False
+    return np.where(mask, tokens, 0), mask, np.arange(P, dtype=np.int32) * 10
+
+
+def _reward_np(tokens, mask):
+    """Reward 1 when the completion's first token is a multiple of 5: varies within some groups, not others."""
+    return ((tokens[:, 0] % 5) == 0).astype(np.float32) * mask[:, 0]
+
+
+def reward_callback(tokens_bt, mask_bt, index_b):
+    del index_b
+    total = ((tokens_bt[:, 0] % 5) == 0).astype(jnp.float32) * mask_bt[:, 0]
+    return Rewards(total, {"even": total}, jnp.zeros(total.shape, bool))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(0))
+
+
+def test_traced_sample_equals_generate(params):
+    """`sample` compiled inside a caller's jit gives `generate`'s tokens, log-probs and masks."""
+    tokens, mask, _ = _prompts()
+    key = jax.random.key(5)
+    ref = generate(CFG, params, tokens, mask, key=key, controls=CONTROLS)
+    traced = jax.jit(lambda p, t, m, k: sample(CFG, p, t, m, k, CONTROLS))(params, tokens, mask, key)
+    np.testing.assert_array_equal(np.asarray(traced.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(traced.mask), np.asarray(ref.mask))
+    np.testing.assert_allclose(np.asarray(traced.logprobs), np.asarray(ref.logprobs), atol=1e-6)
+    assert traced.tokens.shape == (P * N, CONTROLS.max_new_tokens)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_rollout_builds_the_batch_a_numpy_reference_builds(params, dynamic):
+    """rollout: prompt | completion rows of the selected groups, with DAPO's dynamic sampling (keep
+    groups whose rewards differ, kept first in pool order, then masked fillers) written in NumPy."""
+    tokens, mask, index = _prompts(1)
+    key = jax.random.key(7)
+    fn = jax.jit(lambda p, t, m, i, k: rollout(CFG, p, t, m, i, k, controls=CONTROLS, reward_callback=reward_callback,
+                                                num_groups=G, dynamic_sampling=dynamic))
+    batch, metrics, preview = fn(params, tokens, mask, index, key)
+    out = generate(CFG, params, tokens, mask, key=key, controls=CONTROLS)
+    comp, cmask, clogp = (np.asarray(x) for x in (out.tokens, out.mask, out.logprobs))
+    rewards_pn = _reward_np(comp, cmask).reshape(P, N)
+    if dynamic:
+        keep = rewards_pn.max(1) > rewards_pn.min(1)
+        order = [p for p in range(P) if keep[p]] + [p for p in range(P) if not keep[p]]
+        groups, valid = np.array(order[:G]), keep[order[:G]]
+        assert float(metrics["rollout/dynamic_kept"]) == keep.sum()
+        assert 0 < keep.sum() < P, "the fixture should keep some groups and drop others"
+    else:
+        groups, valid = np.arange(G), np.ones(G, bool)
+    rows = (groups[:, None] * N + np.arange(N)).reshape(-1)
+    want_tokens = np.concatenate([np.repeat(tokens[groups], N, 0), comp[rows]], axis=1)
+    np.testing.assert_array_equal(np.asarray(batch.tokens_bt), want_tokens)
+    want_loss = np.concatenate([np.zeros((G * N, T), bool), cmask[rows] & np.repeat(valid, N)[:, None]], axis=1)
+    np.testing.assert_array_equal(np.asarray(batch.loss_mask_bt), want_loss)
+    np.testing.assert_allclose(np.asarray(batch.sampler_logp_bt)[:, T:], clogp[rows], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(batch.rewards_b), rewards_pn.reshape(-1)[rows])
+    np.testing.assert_array_equal(np.asarray(batch.group_ids_b), np.repeat(np.arange(G), N))
+    assert batch.completion_len == CONTROLS.max_new_tokens and batch.baseline_rewards_b is None
+    np.testing.assert_allclose(float(metrics["rollout/reward_mean"]), rewards_pn.mean(), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(preview.completion_tokens_kc), comp[np.arange(4) * N])
+
+
+def test_remax_rollout_carries_the_greedy_baseline(params):
+    """With `needs.greedy_baseline` (ReMax), each row's baseline is the reward of its prompt's greedy
+    completion, computed here independently with `generate(greedy)`."""
+    tokens, mask, index = _prompts(2)
+    key = jax.random.key(9)
+    batch, metrics, _ = jax.jit(lambda p, t, m, i, k: rollout(
+        CFG, p, t, m, i, k, controls=CONTROLS, reward_callback=reward_callback, num_groups=P,
+        needs=RolloutNeeds(greedy_baseline=True)))(params, tokens, mask, index, key)
+    greedy = generate(CFG, params, tokens, mask, key=jax.random.key(123), controls=CONTROLS.greedy_version())
+    want = _reward_np(np.asarray(greedy.tokens), np.asarray(greedy.mask))
+    np.testing.assert_array_equal(np.asarray(batch.baseline_rewards_b), np.repeat(want, N))
+    np.testing.assert_allclose(float(metrics["rollout/baseline_reward_mean"]), want.mean(), rtol=1e-6)
+
+
+def test_remax_iteration_end_to_end(params):
+    """ReMax through the compiled iteration: the loop passes the objective's declared needs, the
+    update consumes the baseline (advantage = reward - baseline), and params move."""
+    tokens, mask, index = _prompts(3)
+    algo = AlgorithmConfig(algorithm="remax")
+    state = init_train_state(CFG, params, algo, OptimConfig(learning_rate=1e-2))
+    before = np.asarray(state.params["embed"]).copy()
+    iteration = make_iteration(CONTROLS, reward_callback, num_groups=P, needs=algo.needs)
+    state, metrics, _ = iteration(state, tokens, mask, index, jax.random.key(11))
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+    assert "rollout/baseline_reward_mean" in metrics and "train/reward_mean" in metrics
+    assert not np.array_equal(np.asarray(state.params["embed"]), before)
+
+
+def test_merge_metrics_refuses_a_shared_name():
+    """The old `{**update_metrics, **metrics}` let the rollout's reward overwrite the update's."""
+    assert merge_metrics({"rollout/a": 1}, {"train/a": 2}) == {"rollout/a": 1, "train/a": 2}
+    with pytest.raises(ValueError, match="reward/mean"):
+        merge_metrics({"reward/mean": 1.0}, {"reward/mean": 2.0})
