@@ -19,7 +19,7 @@ Across processes, or on a mesh with Explicit axes, the rows stay replicated.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,7 @@ def rows_sharding(params, rows: int) -> NamedSharding | None:
 
 
 def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, key: jax.Array,
-          controls: SampleControls) -> tuple[D.DecodeState, StaticControls, dict]:
+          controls: SampleControls) -> tuple[D.DecodeState, StaticControls, Any]:
     """Everything before decode: checks and pads the prompts, splits the per-layer weights and runs
     the jitted prefill. Returns (state, static controls, per-layer params) for the decode calls."""
     spec = controls.static()
