@@ -105,3 +105,22 @@ def test_compose_rejects_bad_parts():
         rewards.compose(lambda m, c: 1.0)
     with pytest.raises(ConfigError, match="duplicate"):
         rewards.compose(rewards.MathAnswer(), rewards.MathAnswer())
+
+
+def test_host_seconds_sum_over_calls_until_taken():
+    """An iteration that calls the verifiers twice (ReMax: samples, then the greedy baseline)
+    reports the time of both: `take_seconds` sums every call since the last take, then resets.
+    The old `last_seconds` kept only the latest call's time (about half here)."""
+    def sleepy(batch_ids):
+        time.sleep(0.3)
+        return decode(batch_ids)
+
+    cb = rewards.as_callback(rewards.compose(correct=rewards.MathAnswer(time_limit_s=None)), sleepy, TABLE)
+    toks, mask = zip(*(encode(t, 40) for t in TEXTS[:2]))
+    args = (np.array(toks, np.int32), np.array(mask), np.array(INDEX[:2], np.int32))
+    cb.eager(*args)  # warm-up: math-verify's first call imports and compiles for seconds
+    cb.take_seconds()
+    cb.eager(*args)
+    cb.eager(*args)
+    assert cb.take_seconds() >= 0.6  # two calls of >= 0.3 s each
+    assert cb.take_seconds() == 0.0

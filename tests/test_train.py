@@ -88,6 +88,32 @@ def test_kill_dash_nine_then_resume_is_exact(tmp_path):
         assert ck.latest_step() == 6
 
 
+def test_reference_reset_and_sample_log(tmp_path):
+    """rl.reference_reset_every=2 with a KL term: the update right after each reset starts at the
+    reference (kl_ref 0 up to rounding) and the others do not; without the reset iteration 3 would
+    see the drift of two updates. metrics.samples_every=2 logs decoded completions whose logged
+    reward is the reward function's own score of that text."""
+    cfg = load_config(None, TINY + ["rl.iterations=4", "warm_start.steps=0", "eval.every=100", "checkpoint.every=100",
+                                    "algorithm.kl_coef=0.05", "rl.reference_reset_every=2", "metrics.samples_every=2",
+                                    "optim.learning_rate=1e-2", "mesh.devices=1", f"output_dir='{tmp_path}'"])
+    result = train(cfg, log=lambda *_: None)
+    kl = [r["kl_ref"] for r in result.history if "kl_ref" in r]
+    assert len(kl) == 4
+    assert kl[0] < 1e-9 and kl[2] < 1e-9, kl
+    assert kl[1] > 1e-6 and kl[3] > 1e-6, kl
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == [2, 4]
+    from rljax.data.example import verifier_metadata
+    from rljax.train import setup
+
+    reward_fn = setup.build_reward(cfg.reward)
+    train_set, _, _ = setup.build_splits(cfg.data)
+    by_id = {e.id: e for e in train_set}
+    for s in samples:
+        rewards, _ = reward_fn.batch([verifier_metadata(by_id[s["example_id"]])], [s["completion"]])
+        assert float(rewards.total_b[0]) == s["reward"], s
+
+
 @pytest.mark.parametrize("args,message", [
     (["data.source=jsonl", "data.path=/nonexistent/train.jsonl"], "does not exist"),
     (["model.hidden_size=abc"], "model.hidden_size='abc' must be an integer"),

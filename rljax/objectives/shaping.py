@@ -24,6 +24,8 @@ class RewardShaping:
     length_penalty: float = 0.0
 
     def __post_init__(self):
+        if self.overlong_max_length is not None and self.overlong_max_length < 1:
+            raise ConfigError(f"shaping.overlong_max_length={self.overlong_max_length} must be >= 1 (or unset)")
         if self.overlong_max_length is not None and not 0 <= self.overlong_buffer < self.overlong_max_length:
             raise ConfigError(f"shaping.overlong_buffer={self.overlong_buffer} must lie in "
                               f"[0, overlong_max_length={self.overlong_max_length})")

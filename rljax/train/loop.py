@@ -130,7 +130,6 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     train_set, held_out, skipped = setup.build_splits(cfg.data)
     fmt = setup.prompt_format(cfg.data)
     reward_fn = setup.build_reward(cfg.reward)
-    log(setup.run_summary(cfg, model_cfg, params, train_set, held_out) + (f" | skipped rows {skipped}" if skipped else ""))
     num_prompts = max(1, round(cfg.rl.prompts_per_iteration * cfg.rl.oversample)) if cfg.rl.dynamic_sampling \
         else cfg.rl.prompts_per_iteration
     data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=num_prompts, seed=cfg.data.seed,
@@ -139,6 +138,10 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     controls = sample_controls(cfg, tokenizer)
     evaluator = EvalSetup.build(model_cfg, held_out[:cfg.eval.size], tokenizer, fmt, reward_fn, controls,
                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
+    dropped = {"skipped rows": skipped, "training prompts over data.max_prompt_tokens (dropped)": data.num_too_long,
+               "held-out prompts over data.max_prompt_tokens (dropped)": evaluator.num_too_long}
+    log(setup.run_summary(cfg, model_cfg, params, train_set, held_out)
+        + "".join(f" | {what} {n}" for what, n in dropped.items() if n))
     writer = MetricsWriter(out, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
@@ -170,7 +173,7 @@ def initial_state(run: Run, *, resume: bool):
     state = new_train_state(run, params)
     accuracy = greedy_accuracy(run.evaluator, state.params)
     run.log(f"held-out greedy accuracy before RL: {accuracy:.3f}")
-    row = {"step": 0, "eval/accuracy": accuracy}
+    row = {"step": 0, "eval/accuracy": accuracy, "eval/prompts_too_long": run.evaluator.num_too_long}
     run.writer.write(0, row)
     return _place(state, run.trainer_layout), 0, [row], data_iter
 
