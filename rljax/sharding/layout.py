@@ -4,13 +4,15 @@ The trainer and the sampler want different layouts (HybridFlow, Sheng et al., 20
 Mei et al., 2024): training shards params and optimiser state with FSDP so they fit, while
 decoding, which runs one small matmul per token, keeps each weight whole inside a tensor-parallel
 group so no step all-gathers. `sync_weights` moves the trainer's params into the sampler's
-layout with `jax.device_put` to the target shardings: device to device, never through the host.
+layout with one compiled identity whose outputs carry the sampler's shardings, so XLA moves the
+shards between devices with collectives and nothing passes through the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -84,13 +86,42 @@ def make_sharded(fn: Callable, mesh: Mesh, in_shardings, out_shardings, *,
 def sync_weights(params, target_shardings, *, donate: bool = False):
     """Reshard `params` to `target_shardings` on device; returns (params, seconds).
 
+    The copy is one compiled identity with `out_shardings=target_shardings`: XLA gathers and
+    re-slices the shards device to device. `jax.device_put` is not used for this because, when a
+    target shard is not a slice some source device already holds (FSDP shards gathered into
+    tensor-parallel replicas), it assembles the whole array on the host and sends it back. When
+    the two layouts order their devices differently (one compiled program cannot span both),
+    it falls back to `jax.device_put`.
+
     The seconds include waiting for the transfer to finish. `donate=True` frees the source
-    buffers as they are copied (when the trainer no longer needs them).
+    buffers (when the trainer no longer needs them).
     """
     start = time.perf_counter()
-    out = jax.device_put(params, target_shardings, donate=donate)
+    if _same_device_order(params, target_shardings):
+        with warnings.catch_warnings():  # a reshard changes shard shapes, so few buffers alias
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            out = jax.jit(_identity, out_shardings=target_shardings,
+                          donate_argnums=(0,) if donate else ())(params)
+        if donate:  # XLA reuses only the buffers whose shard shape is unchanged; free the rest
+            for x in jax.tree.leaves(params):
+                if not x.is_deleted():
+                    x.delete()
+    else:
+        out = jax.device_put(params, target_shardings, donate=donate)
     jax.block_until_ready(out)
     return out, time.perf_counter() - start
+
+
+def _identity(tree):
+    return tree
+
+
+def _same_device_order(params, target_shardings) -> bool:
+    """True when every source and target sharding is a NamedSharding over one device order."""
+    shardings = [x.sharding for x in jax.tree.leaves(params)] + jax.tree.leaves(target_shardings)
+    if not all(isinstance(s, NamedSharding) for s in shardings):
+        return False
+    return len({tuple(mesh.devices.flat) for mesh in {s.mesh for s in shardings}}) == 1
 
 
 def device_bytes(tree) -> dict[jax.Device, int]:
