@@ -12,7 +12,7 @@ import transformers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from rljax.errors import ConfigError, DataError, RljaxError
-from rljax.tokenizers import CharTokenizer, bucket_length, load, pad_batch
+from rljax.tokenizers import CharTokenizer, bucket_length, check_token_ids, load, pad_batch
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -499,6 +499,16 @@ def test_char_tokenizer_round_trip_and_errors():
         tok.decode([16])
     with pytest.raises(ConfigError, match="repeats"):
         CharTokenizer("112")
+
+
+def test_check_token_ids_names_the_first_id_outside_the_vocabulary():
+    """Ids in [0, V) pass in any shape; the first id below 0 or at/above V is named, with V."""
+    check_token_ids(np.array([[0, 5], [15, 3]]), 16)
+    check_token_ids([], 16)
+    with pytest.raises(DataError, match=r"^prompt token id 16 is outside the vocabulary \[0, 16\)$"):
+        check_token_ids(np.array([[0, 16], [-1, 2]]), 16, "prompt token id")
+    with pytest.raises(DataError, match="token id -1 is outside"):
+        check_token_ids([3, -1], 16)
 
 
 def test_load_errors_name_expected_files(tmp_path):

@@ -42,10 +42,10 @@ _NEG = -1e30
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
     """Random-init params (normal(0, std) weights, unit norms, zero biases).
 
-    One compiled program for the whole tree: run eagerly, every weight shape compiled its own
-    sampler (about a second of start-up for a tiny model). The fused program rounds the normal
-    transform differently in the last bit (about 7e-9 at std 0.02), so values differ from an eager
-    draw at that level; the same key always gives the same params."""
+    One compiled program for the whole tree, so start-up does not compile a sampler per weight
+    shape. The fused program rounds the normal transform differently in the last bit (about 7e-9
+    at std 0.02), so values differ from an eager draw at that level; the same key always gives
+    the same params."""
     return _init_params_jit(cfg, key, std)
 
 
@@ -121,10 +121,9 @@ def rope_table(cfg: ModelConfig, num_positions: int):
     """(cos, sin) [P, H] for positions 0 .. P-1: the values `rope_tables` computes, bitwise.
 
     For a decode loop: built once outside it and passed as `forward(..., rope_cos_sin=...)`, each
-    step gathers its rows. Computed inside the step, XLA:CPU fused the cos and sin into every
-    layer's query and key fusions and evaluated them per element; moving them out made qwen2-tiny's
-    generate about 1.3x faster on a 2-core CPU (B=64, 64 new tokens: 7.5k -> 10.4k tok/s, one
-    A/B)."""
+    step gathers its rows. Computed inside the step, XLA:CPU fuses the cos and sin into every
+    layer's query and key fusions and evaluates them per element, once per layer and step; a
+    gather from a table built once does none of that work in the loop."""
     positions_p1 = jnp.arange(num_positions, dtype=jnp.int32)[:, None]
     cos_p11h, sin_p11h = rope_tables(positions_p1, cfg)
     return cos_p11h[:, 0, 0], sin_p11h[:, 0, 0]
@@ -146,7 +145,7 @@ def project(x, w, contract: int = 1):
 
     Same math as an einsum, but folding batch and time into one row axis gives the backward pass
     a weight gradient with a single contracting axis (rows); with two (b and t), XLA:CPU first
-    copies a transposed activation gradient, which cost about a third of the MLP's training step.
+    copies a transposed activation gradient, an extra pass over it for every weight.
     """
     lead, k_shape = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
     k = int(np.prod(k_shape))
@@ -185,6 +184,15 @@ def _softcap(x, cap):
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
+def _visible_softmax(logits_bkgts, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+    """Soft-capped softmax over the keys each query may see (see `attention`), in f32."""
+    logits_bkgts = _softcap(logits_bkgts, cfg.attn_logit_softcap)
+    dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
+    visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
+    visible_bts &= (window == 0) | (dist_bts < window)
+    return jax.nn.softmax(jnp.where(visible_bts[:, None, None], logits_bkgts, _NEG), axis=-1)
+
+
 def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
     """Causal grouped-query attention over key slots.
 
@@ -197,12 +205,7 @@ def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConf
     q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
     logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
                         preferred_element_type=jnp.float32) * cfg.query_scale
-    logits = _softcap(logits, cfg.attn_logit_softcap)
-    dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
-    visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
-    visible_bts &= (window == 0) | (dist_bts < window)
-    logits = jnp.where(visible_bts[:, None, None], logits, _NEG)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
+    probs = _visible_softmax(logits, q_pos_bt, k_pos_bs, window, cfg).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
     return out.reshape(b, t, n, h)
 
@@ -210,8 +213,7 @@ def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConf
 # For training: the backward pass recomputes the [B, K, G, T, S] scores and probabilities from q
 # and k instead of storing them for every layer, so the saved activations hold no T^2 tensor per
 # layer (the idea of FlashAttention's backward, Dao et al., 2022). Recomputing costs 2 T^2 H N
-# flops per row, small next to the projections at these lengths: the qwen2-small update step
-# takes the same time with it, and the gradients are bitwise equal.
+# flops per row, small next to the projections at these lengths; the gradients are bitwise equal.
 _attention_recomputed = jax.checkpoint(attention, static_argnums=(6,))
 
 
@@ -219,18 +221,14 @@ def cached_attention(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs, window, cfg: Mo
     """`attention` over a KV cache that stores keys transposed, [B, K, H, S], and values as
     [B, K, S, H]: both einsums are then plain row-major batched matmuls over (b, k) (q @ K^T reads
     keys with slots contiguous), so neither transposes the cache, the big operand, per step.
-    Keys stored [B, K, S, H] made q @ K^T 2.6x slower here (a transposed read of every key)."""
+    Stored [B, K, S, H], keys would be read transposed by q @ K^T at every step."""
     b, t, n, h = q_btnh.shape
     kh = k_bkhs.shape[1]
     q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
     logits = jnp.einsum("bkqh,bkhs->bkqs", q_bkqh, k_bkhs,
                         preferred_element_type=jnp.float32) * cfg.query_scale
-    logits = _softcap(logits, cfg.attn_logit_softcap).reshape(b, kh, n // kh, t, -1)
-    dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
-    visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
-    visible_bts &= (window == 0) | (dist_bts < window)
-    logits = jnp.where(visible_bts[:, None, None], logits, _NEG)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_bksh.dtype).reshape(b, kh, -1, v_bksh.shape[2])
+    probs = _visible_softmax(logits.reshape(b, kh, n // kh, t, -1), q_pos_bt, k_pos_bs, window, cfg)
+    probs = probs.astype(v_bksh.dtype).reshape(b, kh, -1, v_bksh.shape[2])
     out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh)
     return out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
@@ -305,8 +303,8 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     """Final-normed hidden states [B, T, D] and the updated cache (None without one).
 
     Without a cache the layers run as one `lax.scan` (compiles once for any depth); `unroll=True`
-    unrolls it, which makes training about 7% faster on XLA:CPU (no stacked per-layer residuals
-    to zero-fill and copy in and out of the loop) at the price of compile time growing with depth.
+    unrolls it, which removes the scan's stacked per-layer residuals (zero-filled and copied in
+    and out of the loop) at the price of compile time growing with depth.
     `remat=True` recomputes each layer's activations in the backward pass. `rope_cos_sin`, a
     `rope_table(cfg, P)` with P above every position in `positions_bt`, replaces computing cos and
     sin (gathered instead; bitwise the same values).

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rljax.errors import RljaxError
-from rljax.tokenizers.base import Tokenizer
+from rljax.tokenizers.base import Tokenizer, check_token_ids
 from rljax.tokenizers.batching import bucket_length, pad_batch
 from rljax.tokenizers.char import CharTokenizer
 from rljax.tokenizers.hf import HFTokenizer
@@ -28,6 +28,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "Tokenizer",
     "bucket_length",
+    "check_token_ids",
     "load",
     "load_qwen",
     "pad_batch",

@@ -11,13 +11,26 @@ import abc
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rljax.errors import ConfigError
+import numpy as np
+
+from rljax.errors import ConfigError, DataError
 from rljax.tokenizers.chat import render_chat
 
 
 def as_int_list(ids: Iterable[Any]) -> list[int]:
     """Plain Python ints from a list, tuple or NumPy/JAX array of ids."""
     return [int(i) for i in ids]
+
+
+def check_token_ids(ids: Any, vocab_size: int, what: str = "token id") -> None:
+    """Raises a DataError naming the first id of `ids` (any shape) outside [0, vocab_size).
+
+    `what` names the ids in the message, e.g. "prompt token id" or "CharTokenizer token id".
+    """
+    ids = np.asarray(ids)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise DataError(f"{what} {int(bad.flat[0])} is outside the vocabulary [0, {vocab_size})")
 
 
 class Tokenizer(abc.ABC):

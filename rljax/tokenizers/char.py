@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 
 from rljax.errors import ConfigError, DataError
-from rljax.tokenizers.base import Tokenizer
+from rljax.tokenizers.base import Tokenizer, check_token_ids
 
 # Messages' contents, one after another: tiny alphabets have no room for role markers.
 CONCAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -76,9 +76,5 @@ class CharTokenizer(Tokenizer):
         return ids
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise DataError(
-                f"token id {bad[0]} is outside the CharTokenizer vocabulary of {self.vocab_size}"
-            )
+        check_token_ids(ids, self.vocab_size, "CharTokenizer token id")
         return "".join(self.pieces[i] for i in ids if not (skip_special and i < 3))

@@ -28,7 +28,9 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 from rljax.errors import ConfigError
 from rljax.tokenizers.hf import HFTokenizer
 
-_QWEN3_SPECIALS = (
+# Qwen3's specials in id order: control tokens (special: dropped by decode(skip_special=True)),
+# then text markers that released tokenizer.json files mark non-special (kept by decode).
+_QWEN_CONTROL = (
     "<|endoftext|>",
     "<|im_start|>",
     "<|im_end|>",
@@ -43,6 +45,8 @@ _QWEN3_SPECIALS = (
     "<|vision_pad|>",
     "<|image_pad|>",
     "<|video_pad|>",
+)
+_QWEN_TEXT_MARKERS = (
     "<tool_call>",
     "</tool_call>",
     "<|fim_prefix|>",
@@ -56,6 +60,7 @@ _QWEN3_SPECIALS = (
     "<think>",
     "</think>",
 )
+_QWEN3_SPECIALS = _QWEN_CONTROL + _QWEN_TEXT_MARKERS
 _QWEN35_SPECIALS = _QWEN3_SPECIALS + (
     "<|audio_start|>",
     "<|audio_end|>",
@@ -65,23 +70,7 @@ _QWEN35_SPECIALS = _QWEN3_SPECIALS + (
     "<tts_text_bos_single>",
     "<|audio_pad|>",
 )
-# Tokens that released tokenizer.json files mark non-special (kept by decode(skip_special=True)).
-_NOT_SPECIAL = frozenset(
-    {
-        "<tool_call>",
-        "</tool_call>",
-        "<|fim_prefix|>",
-        "<|fim_middle|>",
-        "<|fim_suffix|>",
-        "<|fim_pad|>",
-        "<|repo_name|>",
-        "<|file_sep|>",
-        "<tool_response>",
-        "</tool_response>",
-        "<think>",
-        "</think>",
-    }
-)
+_NOT_SPECIAL = frozenset(_QWEN_TEXT_MARKERS)
 _PAT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"

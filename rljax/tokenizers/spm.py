@@ -14,7 +14,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from rljax.errors import DataError
-from rljax.tokenizers.base import Tokenizer
+from rljax.tokenizers.base import Tokenizer, check_token_ids
 from rljax.tokenizers.hf import (
     NAMED_SPECIALS,
     chat_template_from_dir,
@@ -72,11 +72,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self.sp.encode(texts, out_type=int)
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise DataError(
-                f"token id {bad[0]} is outside this sentencepiece vocabulary of {self.vocab_size}"
-            )
+        check_token_ids(ids, self.vocab_size, "sentencepiece token id")
         if skip_special:
             return self.sp.decode([i for i in ids if i not in self._control])
         # Keep control symbols as their piece text, decoding the runs between them.
