@@ -1,17 +1,42 @@
 """Where training metrics go: JSONL always, TensorBoard, wandb when asked, and a PNG of the curves.
 
 Only process 0 writes (multi-host runs call this on every process; the others are no-ops).
+
+A wandb run's id is kept in the output directory (`wandb_run_id.txt`), so a resumed training run
+(`resume=True`) continues the same wandb run instead of starting a new one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rljax.errors import ConfigError
+
+WANDB_ID_FILE = "wandb_run_id.txt"
+SAMPLES_FILE = "samples.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRecord:
+    """One sampled completion for the sample log.
+
+    reward: the total reward the update saw for this completion.
+    reward_parts: the named terms of a composed reward (e.g. {"correct": 1.0, "format": 0.5}),
+      empty when the reward is a single verifier.
+    example_id: the task example it answers, when known.
+    """
+
+    prompt: str
+    completion: str
+    reward: float
+    reward_parts: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    example_id: str | None = None
 
 
 def _plain(v: Any):
@@ -21,36 +46,78 @@ def _plain(v: Any):
         return None
 
 
+def _as_record(sample: SampleRecord | Mapping[str, Any]) -> SampleRecord:
+    return sample if isinstance(sample, SampleRecord) else SampleRecord(**sample)
+
+
+def _indented(text: str) -> str:
+    """Text as a markdown code block by indentation, which no content can close early."""
+    return "\n".join("    " + line for line in (text.splitlines() or [""]))
+
+
+def samples_markdown(records: Sequence[SampleRecord]) -> str:
+    """The sample log of one step as markdown (TensorBoard renders text summaries as markdown)."""
+    blocks = []
+    for i, r in enumerate(records):
+        parts = ", ".join(f"{k} {v:g}" for k, v in r.reward_parts.items())
+        head = f"**sample {i}** reward {r.reward:g}" + (f" ({parts})" if parts else "")
+        if r.example_id is not None:
+            head += f", example {r.example_id}"
+        blocks.append(f"{head}\n\nprompt:\n\n{_indented(r.prompt)}\n\ncompletion:\n\n{_indented(r.completion)}")
+    return "\n\n---\n\n".join(blocks)
+
+
 class MetricsWriter:
-    """Appends one JSON object per step to `metrics.jsonl`; mirrors scalars to TensorBoard/wandb."""
+    """Appends one JSON object per step to `metrics.jsonl`; mirrors scalars to TensorBoard/wandb.
+
+    `write_samples` logs sampled completions with their rewards to `samples.jsonl`, TensorBoard
+    text and a wandb table. With `wandb_project`, the wandb run id is stored in
+    `out_dir/wandb_run_id.txt`; `resume=True` continues that run.
+    """
 
     def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
                  config: dict | None = None, enabled: bool = True, resume: bool = False):
         self.enabled = enabled
-        self.path = Path(out_dir) / "metrics.jsonl"
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / "metrics.jsonl"
+        self.samples_path = self.out_dir / SAMPLES_FILE
+        self.wandb_run_id: str | None = None
         self._tb = self._wandb = None
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not resume and self.path.exists():
-            self.path.unlink()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for path in (self.path, self.samples_path):
+                path.unlink(missing_ok=True)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
         if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("metrics.wandb_project is set but wandb is not installed; pip install wandb") from None
-            self._wandb = wandb.init(project=wandb_project, config=config, resume="allow")
+            self._wandb = self._init_wandb(wandb_project, config, resume)
+            self.wandb_run_id = self._wandb.id
+
+    def _init_wandb(self, project: str, config: dict | None, resume: bool):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("metrics.wandb_project is set but wandb is not installed; pip install wandb") from None
+        id_file = self.out_dir / WANDB_ID_FILE
+        if resume and id_file.is_file():  # continue the run this directory started
+            run = wandb.init(project=project, config=config, id=id_file.read_text().strip(), resume="allow")
+        else:
+            run = wandb.init(project=project, config=config)
+        id_file.write_text(run.id + "\n")
+        return run
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drops rows past the restored step so the log matches an uninterrupted run."""
-        if not self.enabled or not self.path.exists():
+        """On resume, drops rows past the restored step so the logs match an uninterrupted run."""
+        if not self.enabled:
             return
-        rows = [r for r in self.read() if r.get("step", -1) <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for path in (self.path, self.samples_path):
+            if path.exists():
+                rows = [r for r in _read_jsonl(path) if r.get("step", -1) <= step]
+                path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -66,16 +133,47 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
+    def write_samples(self, step: int, samples: Sequence[SampleRecord | Mapping[str, Any]]) -> None:
+        """Logs sampled completions of `step`: one JSON row each in `samples.jsonl`, one markdown
+        text summary (tag "samples") in TensorBoard, and a wandb table "samples" when enabled.
+
+        `samples` are `SampleRecord`s, or mappings with the same fields."""
+        if not self.enabled or not samples:
+            return
+        records = [_as_record(s) for s in samples]
+        with self.samples_path.open("a") as f:
+            for r in records:
+                f.write(json.dumps({"step": int(step), "example_id": r.example_id, "prompt": r.prompt,
+                                    "completion": r.completion, "reward": float(r.reward),
+                                    "reward_parts": {k: float(v) for k, v in r.reward_parts.items()}}) + "\n")
+        if self._tb is not None:
+            self._tb.add_text("samples", samples_markdown(records), step)
+        if self._wandb is not None:
+            import wandb
+
+            parts = sorted({k for r in records for k in r.reward_parts})
+            columns = ["step", "example_id", "prompt", "completion", "reward", *(f"reward/{k}" for k in parts)]
+            data = [[int(step), r.example_id, r.prompt, r.completion, float(r.reward),
+                     *(r.reward_parts.get(k) for k in parts)] for r in records]
+            self._wandb.log({"samples": wandb.Table(columns=columns, data=data)}, step=step)
+
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return _read_jsonl(self.path)
+
+    def read_samples(self) -> list[dict[str, Any]]:
+        return _read_jsonl(self.samples_path)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_curves(rows: list[dict[str, Any]], path: str | Path,
