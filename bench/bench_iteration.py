@@ -1,9 +1,10 @@
 """End-to-end RL iteration time on the default job's model, split by stage, plus compile counts.
 
-The loop runs sample -> verify -> update as one compiled program; to split it, this script also
-times each stage compiled on its own (`sample`, the verifier callback's host time, `update_step`)
-on the same batch. It counts XLA compilations (jax.monitoring) over several iterations to show
-that a run compiles once. Writes bench/results/iteration.json.
+The loop runs rollout -> update as one compiled program; to split it, this script also times each
+stage compiled on its own (`sample`, the verifier callback's host time, `update_step` on the
+`RolloutBatch`) on the same batch. It counts XLA compilations (jax.monitoring) over several
+iterations to show that a run compiles once, and records the sampler/trainer log-prob gap the
+update reports (`logp_diff/first_abs_mean|max`). Writes bench/results/iteration.json.
 
     .venv/bin/python bench/bench_iteration.py [--iterations 8]
 """
@@ -22,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rljax.data.example import verifier_metadata  # noqa: E402
 from rljax.data.pipeline import prompt_batches  # noqa: E402
 from rljax.rewards import as_callback  # noqa: E402
 from rljax.sampling import sample  # noqa: E402
@@ -29,7 +31,7 @@ from rljax.train import setup  # noqa: E402
 from rljax.train.config import load_config  # noqa: E402
 from rljax.train.iteration import make_iteration  # noqa: E402
 from rljax.train.loop import sample_controls  # noqa: E402
-from rljax.update import Batch, init_train_state, update_step  # noqa: E402
+from rljax.update import RolloutBatch, init_train_state, update_step  # noqa: E402
 
 _COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -54,22 +56,25 @@ def main() -> None:
     train_set, _, _ = setup.build_splits(cfg.data)
     data = prompt_batches(train_set, tokenizer=tok, batch_size=cfg.rl.prompts_per_iteration, seed=0,
                           max_prompt_len=cfg.data.max_prompt_tokens, fmt=setup.prompt_format(cfg.data), add_bos=True)
-    callback = as_callback(setup.build_reward(cfg.reward), tok, [setup.verifier_metadata(e) for e in data.examples])
+    callback = as_callback(setup.build_reward(cfg.reward), tok, [verifier_metadata(e) for e in data.examples])
     controls = sample_controls(cfg, tok)
-    state = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim)
-    iteration = make_iteration(controls, callback, num_groups=cfg.rl.prompts_per_iteration)
+    state = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
+                             shaping=cfg.shaping)
+    iteration = make_iteration(controls, callback, num_groups=cfg.rl.prompts_per_iteration,
+                               needs=cfg.algorithm.needs)
     it = iter(data.dataset)
 
     fused, compiles_first = [], None
     for i in range(args.iterations):
         b = next(it)
         t0 = time.perf_counter()
-        state, metrics = iteration(state, b.tokens_bt, b.mask_bt, b.indices_b.astype(np.int32), jax.random.key(i))
+        state, metrics, _ = iteration(state, b.tokens_bt, b.mask_bt, b.indices_b.astype(np.int32), jax.random.key(i))
         jax.block_until_ready(metrics)
         fused.append(time.perf_counter() - t0)
         if i == 0:
             compiles_first = len(_COMPILES)
     compiles_total = len(_COMPILES)
+    gap = {k: float(metrics[f"logp_diff/first_{k}"]) for k in ("abs_mean", "abs_max")}  # last iteration's
 
     # The same stages compiled separately, on one batch.
     b = next(it)
@@ -83,10 +88,12 @@ def main() -> None:
     n = controls.num_samples
     prompt = np.repeat(b.tokens_bt, n, 0)
     pmask = np.repeat(b.mask_bt, n, 0)
-    batch = Batch(tokens_bt=np.concatenate([prompt, out.tokens], 1), attn_mask_bt=np.concatenate([pmask, out.mask], 1),
-                  loss_mask_bt=np.concatenate([np.zeros_like(pmask), out.mask], 1),
-                  old_logp_bt=np.concatenate([np.zeros(pmask.shape, np.float32), out.logprobs], 1),
-                  rewards_b=rewards.total_b, group_ids_b=np.repeat(np.arange(len(b.tokens_bt)), n))
+    batch = RolloutBatch(tokens_bt=np.concatenate([prompt, out.tokens], 1),
+                         attn_mask_bt=np.concatenate([pmask, out.mask], 1),
+                         loss_mask_bt=np.concatenate([np.zeros_like(pmask), out.mask], 1),
+                         sampler_logp_bt=np.concatenate([np.zeros(pmask.shape, np.float32), out.logprobs], 1),
+                         rewards_b=rewards.total_b, group_ids_b=np.repeat(np.arange(len(b.tokens_bt)), n),
+                         completion_len=controls.max_new_tokens)
     (state, _), _ = _timed(update_step, state, batch, jax.random.key(2))
     _, t_update = _timed(update_step, state, batch, jax.random.key(3))
 
@@ -102,6 +109,7 @@ def main() -> None:
         "stages_separately_s": {"sample": t_sample, "verify": t_verify, "update": t_update},
         "compilations": {"first_iteration": compiles_first, "after_all_iterations": compiles_total,
                          "recompiles_after_first": compiles_total - compiles_first},
+        "sampler_trainer_logp_gap_nats": gap,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

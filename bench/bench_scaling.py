@@ -6,7 +6,8 @@ sync between the trainer and sampler layouts. Writes bench/results/scaling.json.
 On CPU it simulates 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8): they share
 the host's cores, so the numbers measure sharding overhead, not speed-up. On an accelerator it
 uses the real devices; `--peak-tflops` (per device) adds the update step's MFU, counting
-6 * params * tokens per trained token pass plus 2 * params * tokens per scoring pass.
+6 * params * tokens per trained token pass plus 2 * params * tokens per no-grad scoring pass
+(`prepare_batch` scores the batch only for a reference policy or `recompute_old_logp`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rljax.models import init_params, preset  # noqa: E402
 from rljax.objectives import AlgorithmConfig, prompt_major_group_ids  # noqa: E402
 from rljax.optim import OptimConfig  # noqa: E402
 from rljax.sampling import SampleControls, generate  # noqa: E402
-from rljax.update import Batch, init_train_state, update_step  # noqa: E402
+from rljax.update import RolloutBatch, init_train_state, update_step  # noqa: E402
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -42,14 +43,15 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _batch(cfg, b: int, t: int, prompt: int) -> Batch:
+def _batch(cfg, b: int, t: int, prompt: int) -> RolloutBatch:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
     attn = np.ones((b, t), bool)
     loss = np.zeros((b, t), bool)
     loss[:, prompt:] = True
-    return Batch(tokens, attn, loss, rng.normal(-4.0, 0.5, (b, t)).astype(np.float32),
-                 rng.integers(0, 2, b).astype(np.float32), prompt_major_group_ids(b, 4))
+    sampler_logp = np.where(loss, rng.normal(-4.0, 0.5, (b, t)), 0.0).astype(np.float32)
+    return RolloutBatch(tokens, attn, loss, sampler_logp, rng.integers(0, 2, b).astype(np.float32),
+                        prompt_major_group_ids(b, 4), completion_len=t - prompt)
 
 
 def bench_update(cfg, algo, mesh_cfg, devices, batch, repeats):
@@ -128,7 +130,8 @@ def main(argv=None):
                    "update_compile_s": round(compile_s, 3), "update_s": round(update_s, 4),
                    "update_tokens_per_s": round(tokens_per_update / update_s, 1)}
             if args.peak_tflops:
-                flops = (6 + 2) * cfg.num_params() * tokens_per_update  # one trained pass + one scoring pass
+                scoring = int(algo.needs.reference_logp) + int(algo.recompute_old_logp)  # prepare_batch's passes
+                flops = (6 + 2 * scoring) * cfg.num_params() * tokens_per_update
                 row["update_mfu"] = round(flops / update_s / (args.peak_tflops * 1e12 * n), 4)
             s_mesh = sharding.MeshConfig(data=-1, fsdp=1, tensor=1 if name == "fsdp" else 2)
             s_compile, s_time = bench_sampler(cfg, s_mesh, devices, prompts, args.max_new, args.repeats)

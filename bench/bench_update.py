@@ -4,7 +4,7 @@ One GRPO-style clipped-surrogate update at B=32, T=128 (one epoch, one mini-batc
 log-softmax gather, clipped loss, backward, AdamW. Reports tokens/s (B*T per step), the ratio to
 PyTorch, and achieved FLOP/s against this machine's measured matmul peak (f32 and bf16), for f32
 compute and for bf16 compute (rljax compute_dtype=bfloat16 vs torch.autocast bfloat16). rljax runs with
-AlgorithmConfig(unroll_layers=True), the setting recommended for small models on CPU.
+UpdateConfig(unroll_layers=True), the setting recommended for small models on CPU.
 Writes bench/results/update.json.
 
     .venv/bin/python bench/bench_update.py [--configs qwen2-tiny qwen2-small] [--repeats 5]
@@ -29,7 +29,7 @@ import numpy as np
 from rljax.models import init_params, preset, save_hf
 from rljax.objectives import AlgorithmConfig, prompt_major_group_ids
 from rljax.optim import OptimConfig
-from rljax.update import Batch, init_train_state, update_step
+from rljax.update import RolloutBatch, UpdateConfig, init_train_state, update_step
 from peak import matmul_peak_gflops  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 B, T, PROMPT, GROUP = 32, 128, 32, 8
@@ -58,11 +58,12 @@ def make_batch(cfg, seed=0):
 
 def bench_jax(cfg, params, data, repeats):
     toks, attn, loss, old_logp, rewards = data
-    batch = Batch(jnp.asarray(toks), jnp.asarray(attn), jnp.asarray(loss), jnp.asarray(old_logp),
-                  jnp.asarray(rewards), prompt_major_group_ids(B, GROUP))
-    algo = AlgorithmConfig(algorithm="dapo", clip_eps_high=EPS_CLIP, unroll_layers=True)
+    batch = RolloutBatch(jnp.asarray(toks), jnp.asarray(attn), jnp.asarray(loss), jnp.asarray(old_logp),
+                         jnp.asarray(rewards), prompt_major_group_ids(B, GROUP), completion_len=T - PROMPT)
+    algo = AlgorithmConfig(algorithm="dapo", clip_eps_high=EPS_CLIP)
     state = init_train_state(cfg, jax.tree.map(jnp.copy, params), algo,
-                             OptimConfig(learning_rate=LR, max_grad_norm=None))
+                             OptimConfig(learning_rate=LR, max_grad_norm=None),
+                             update_cfg=UpdateConfig(unroll_layers=True))
     t = time.perf_counter()
     state, m = update_step(state, batch, jax.random.key(0))
     jax.block_until_ready(m)
@@ -168,7 +169,7 @@ def main(argv=None):
                      "transformers": transformers.__version__},
         "setup": {"batch": B, "seq_len": T, "prompt_len": PROMPT, "epochs": 1, "minibatches": 1,
                   "loss": "clipped surrogate, token-mean (DAPO preset, kl 0)", "optimizer": "AdamW",
-                  "rljax": "AlgorithmConfig(unroll_layers=True): the layer scan unrolled (CPU recommendation)"},
+                  "rljax": "UpdateConfig(unroll_layers=True): the layer scan unrolled (CPU recommendation)"},
         "matmul_peak_gflops": {k: round(v, 1) for k, v in best.items()},
         "matmul_peak_gflops_start_end": {k: [round(peak[k], 1), round(late[k], 1)] for k in peak},
         "note": "shared 2-core machine under contention from other jobs: numbers are noisy (median of repeats)",

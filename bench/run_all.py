@@ -97,6 +97,10 @@ def build_table() -> str:
                   _row(f"{fu['steady_median']:.3f} s", f"{fu['first_with_compile']:.1f} s", f"{st['sample']:.3f} s",
                        f"{st['verify']:.3f} s", f"{st['update']:.3f} s", co["first_iteration"],
                        co["recompiles_after_first"]), ""]
+        gap = it.get("sampler_trainer_logp_gap_nats")
+        if gap:  # recorded by runs since the typed rollout -> update contract
+            lines += [f"Sampler/trainer log-prob gap the update reports (`logp_diff/first_abs_mean` / "
+                      f"`first_abs_max`, last iteration): {gap['abs_mean']:.1e} / {gap['abs_max']:.1e} nats.", ""]
     sc = _load("scaling")
     if sc:
         lines += ["## Scaling on simulated CPU devices (they share the host's cores: overhead, not speed-up)", "",
