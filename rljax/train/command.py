@@ -45,20 +45,24 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _run_config(run_dir: str, step: str):
+    """The run's TrainConfig and the step number that `step` ('best', 'latest' or a number) names."""
     from pathlib import Path
 
     from rljax.checkpoint import Checkpointer
     from rljax.config_io import build
-    from rljax.errors import CheckpointError
+    from rljax.errors import CheckpointError, ConfigError
     from rljax.train.config import TrainConfig
 
     ckpt_dir = Path(run_dir) / "checkpoints"
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{run_dir} has no checkpoints/ directory; pass a run directory made by rljax train")
-    ckpt = Checkpointer(ckpt_dir, read_only=True)
-    step_value = step if step in ("best", "latest") else int(step)
-    restored = ckpt.restore(step_value, params=None)
-    return build(TrainConfig, restored.config), ckpt, step_value
+    if step not in ("best", "latest") and not step.isdigit():
+        raise ConfigError(f"--step {step!r}: pass 'best', 'latest' or a step number")
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        restored = ckpt.restore(step if step in ("best", "latest") else int(step), params=None)
+    if restored.config is None:
+        raise CheckpointError(f"{ckpt_dir}/{restored.step} holds no run config; was it saved by rljax train?")
+    return build(TrainConfig, restored.config), restored.step
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -69,7 +73,7 @@ def _eval(args: argparse.Namespace) -> int:
     from rljax.train import setup
     from rljax.train.loop import sample_controls
 
-    cfg, _, step = _run_config(args.run_dir, args.step)
+    cfg, step = _run_config(args.run_dir, args.step)
     model_cfg, params = load_params(f"{args.run_dir}/checkpoints", step)
     tokenizer = setup.build_tokenizer(cfg.model)
     _, held_out, _ = setup.build_splits(cfg.data)
@@ -89,7 +93,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from rljax.checkpoint import export_hf
 
-    _, _, step = _run_config(args.run_dir, args.step)
+    _, step = _run_config(args.run_dir, args.step)
     export_hf(f"{args.run_dir}/checkpoints", args.out_dir, step)
     print(f"exported step {step} of {args.run_dir} to {args.out_dir}")
     return 0
