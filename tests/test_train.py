@@ -93,9 +93,10 @@ def test_reference_reset_and_sample_log(tmp_path):
     reference (kl_ref 0 up to rounding) and the others do not; without the reset iteration 3 would
     see the drift of two updates. metrics.samples_every=2 logs decoded completions whose logged
     reward is the reward function's own score of that text."""
-    cfg = load_config(None, TINY + ["rl.iterations=4", "warm_start.steps=0", "eval.every=100", "checkpoint.every=100",
+    cfg = load_config(None, TINY + ["rl.iterations=4", "eval.every=100", "checkpoint.every=100",
                                     "algorithm.kl_coef=0.05", "rl.reference_reset_every=2", "metrics.samples_every=2",
-                                    "optim.learning_rate=1e-2", "mesh.devices=1", f"output_dir='{tmp_path}'"])
+                                    "optim.learning_rate=1e-2", "optim.warmup_steps=0", "mesh.devices=1",
+                                    f"output_dir='{tmp_path}'"])
     result = train(cfg, log=lambda *_: None)
     kl = [r["kl_ref"] for r in result.history if "kl_ref" in r]
     assert len(kl) == 4

@@ -32,6 +32,7 @@ from rljax.models import ModelConfig, unstack_layers
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sharding.rules import batch_axes
+from rljax.tokenizers import check_token_ids
 
 _prefill_jit = jax.jit(D.prefill, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
 _decode_jit = jax.jit(D.decode, static_argnames=("cfg", "spec"), donate_argnames=("state",))
@@ -51,9 +52,7 @@ def pad_prompts(cfg: ModelConfig, prompt_tokens_bt, prompt_mask_bt=None, pad_id:
         raise DataError(f"prompt mask shape {list(mask.shape)} != prompt tokens shape {list(tokens.shape)}")
     if not mask.any(axis=1).all():
         raise DataError("every prompt needs at least one real token (a mask row is all False)")
-    real = tokens[mask]
-    if real.size and (real.min() < 0 or real.max() >= cfg.vocab_size):
-        raise DataError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{real.min()}, {real.max()}]")
+    check_token_ids(tokens[mask], cfg.vocab_size, "prompt token id")
     p = tokens.shape[1]
     pad = D.bucket_length(p) - p
     tokens = np.pad(np.where(mask, tokens, pad_id), ((0, 0), (pad, 0)), constant_values=pad_id)

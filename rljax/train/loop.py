@@ -40,7 +40,7 @@ from rljax.sharding import Layout, global_batch, process_rows
 from rljax.train import setup
 from rljax.train.config import TrainConfig
 from rljax.train.iteration import make_iteration, make_split_iteration
-from rljax.train.metrics_writer import MetricsWriter, plot_curves
+from rljax.train.metrics_writer import MetricsWriter, SampleRecord, plot_curves
 from rljax.train.progress import Progress
 from rljax.train.warm_start import run_warm_start
 from rljax.update import TrainState, init_train_state, reset_reference
@@ -241,15 +241,17 @@ def step_metrics(metrics, seconds: float, verify_seconds: float, fused: bool) ->
     return out
 
 
-def preview_samples(run: Run, preview) -> list[dict[str, Any]]:
-    """A few sampled rows as text, for the sample log: prompt, completion and reward."""
+def preview_samples(run: Run, preview) -> list[SampleRecord]:
+    """A few sampled rows as text, for the sample log: prompt, completion and rewards."""
     p = jax.device_get(preview)
-    prompts = run.tokenizer.decode_batch([t[m].tolist() for t, m in zip(p.prompt_tokens_kt, p.prompt_mask_kt)],
-                                         skip_special=True)
-    completions = run.tokenizer.decode_batch(
-        [t[m].tolist() for t, m in zip(p.completion_tokens_kc, p.completion_mask_kc)], skip_special=True)
-    return [{"prompt": q, "completion": c, "reward": float(r), "example_id": run.data.examples[int(i)].id}
-            for q, c, r, i in zip(prompts, completions, p.rewards_k, p.prompt_index_k)]
+    decode = lambda tokens, masks: run.tokenizer.decode_batch(  # noqa: E731
+        [t[m].tolist() for t, m in zip(tokens, masks)], skip_special=True)
+    prompts = decode(p.prompt_tokens_kt, p.prompt_mask_kt)
+    completions = decode(p.completion_tokens_kc, p.completion_mask_kc)
+    return [SampleRecord(prompt=q, completion=c, reward=float(p.rewards_k[i]),
+                         reward_parts={name: float(v[i]) for name, v in p.reward_parts_k.items()},
+                         example_id=run.data.examples[int(p.prompt_index_k[i])].id)
+            for i, (q, c) in enumerate(zip(prompts, completions))]
 
 
 def save(run: Run, state: TrainState, step: int, data_iter, accuracy: float | None) -> None:

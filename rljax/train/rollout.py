@@ -35,6 +35,7 @@ class RolloutPreview:
     completion_tokens_kc: jax.Array
     completion_mask_kc: jax.Array
     rewards_k: jax.Array
+    reward_parts_k: dict[str, jax.Array]
     prompt_index_k: jax.Array
 
 
@@ -105,5 +106,7 @@ def rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, cont
     first = jnp.arange(k) * n  # sample 0 of prompts 0..k-1
     preview = RolloutPreview(prompt_tokens_kt=prompt_tokens_pt[:k], prompt_mask_kt=prompt_mask_pt[:k],
                              completion_tokens_kc=out.tokens[first], completion_mask_kc=out.mask[first],
-                             rewards_k=rewards.total_b[first], prompt_index_k=index_p[:k])
+                             rewards_k=rewards.total_b[first],
+                             reward_parts_k={name: v[first] for name, v in rewards.parts.items()},
+                             prompt_index_k=index_p[:k])
     return batch, metrics, preview

@@ -74,9 +74,14 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
 
 def reset_reference(state: TrainState, reset_optimizer: bool = True) -> TrainState:
     """ProRL's reference reset (Liu et al., 2025): the reference becomes a copy of the current
-    policy and, by default, the optimiser moments restart."""
-    opt_state = make_optimizer(state.optim).init((state.params, state.value_params)) \
-        if reset_optimizer else state.opt_state
+    policy and, by default, the optimiser moments restart. The learning-rate schedule does not
+    restart: its step count is kept, so warmup is not replayed and the logged `lr` stays true."""
+    opt_state = state.opt_state
+    if reset_optimizer:
+        fresh = make_optimizer(state.optim).init((state.params, state.value_params))
+        is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+        opt_state = jax.tree.map(lambda new, old: old if is_schedule(new) else new, fresh, state.opt_state,
+                                 is_leaf=is_schedule)
     return state.replace(ref_params=_copy(state.params), opt_state=opt_state)
 
 
