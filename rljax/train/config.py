@@ -1,8 +1,9 @@
 """The training recipe: one frozen, typed, validated config for `rljax train`.
 
-Recipes live in `rljax/configs/*.toml` (linked as `configs/`; `--config ppo` names one); `rljax train --config FILE key=value ...` overrides any field
-by its dotted path (`rl.iterations=20`, `algorithm.algorithm=dapo`). An unknown key or a bad value
-is one error line that lists the valid choices (see `rljax.config_io`).
+Recipes live in `rljax/configs/*.toml` (linked as `configs/`; `--config ppo` names one).
+`rljax train --config FILE key=value ...` overrides any field by its dotted path
+(`rl.iterations=20`, `algorithm.algorithm=dapo`). An unknown key or a bad value is one error line
+that lists the valid choices (see `rljax.config_io`).
 """
 
 from __future__ import annotations

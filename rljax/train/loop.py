@@ -93,11 +93,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     progress = Progress(cfg.rl.iterations, start, enabled=_is_main() and cfg.metrics.progress_bar)
     accuracy = next((r["eval/accuracy"] for r in reversed(history) if r.get("eval/accuracy") is not None), None)
     for it in range(start, cfg.rl.iterations):
-        prompts = next(data_iter)
+        prompts = _prompt_arrays(run, next(data_iter))
         t0 = time.perf_counter()
         state = maybe_reset_reference(state, it, cfg.rl.reference_reset_every)
-        state, metrics, preview = iteration(state, *_prompt_arrays(run, prompts), jax.random.fold_in(run.keys["loop"], it))
-        metrics = step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(), run.sampler_layout is None)
+        state, metrics, preview = iteration(state, *prompts, jax.random.fold_in(run.keys["loop"], it))
+        metrics = step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(),
+                               fused=run.sampler_layout is None)
         step = it + 1
         last = step == cfg.rl.iterations
         if step % cfg.eval.every == 0 or last:
@@ -229,7 +230,7 @@ def maybe_reset_reference(state: TrainState, it: int, every: int) -> TrainState:
     return state
 
 
-def step_metrics(metrics, seconds: float, verify_seconds: float, fused: bool) -> dict[str, float]:
+def step_metrics(metrics, seconds: float, verify_seconds: float, *, fused: bool) -> dict[str, float]:
     """Host floats of an iteration's metrics plus its timings. `verify_seconds` is the verifier
     callback's host time summed over its calls this iteration."""
     out = {k: float(v) for k, v in jax.device_get(metrics).items()}  # replicated: every process reads
