@@ -110,14 +110,19 @@ def test_mismatched_model_is_one_line_error(tmp_path, model):
 
 
 _KILLED_SAVE = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import jax.numpy as jnp
     from rljax.checkpoint import Checkpointer
     ckpt = Checkpointer(sys.argv[1])
     ckpt.save(1, params={"w": jnp.ones(4)}, data_state={"next_index": 1})
     ckpt.wait()
     ckpt.save(2, params={"w": jnp.ones((2048, 2048))}, data_state={"next_index": 2})
-    os.kill(os.getpid(), signal.SIGKILL)  # killed while step 2 is still being written
+    # Killed while step 2 is still being written: once its tmp dir exists (under load the async
+    # writer may not have started yet when save() returns).
+    deadline = time.time() + 60
+    while not any("tmp" in n for n in os.listdir(sys.argv[1])) and time.time() < deadline:
+        time.sleep(0.0005)
+    os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
