@@ -34,6 +34,23 @@ def logprobs_from_logits(logits_btv, targets_bt, temperature: float = 1.0, with_
     return logp_bt, entropy_bt
 
 
+# Bytes one time-chunk of the vocabulary projection may hold: its f32 logits and the softmax
+# the entropy (or the backward pass) needs, 2 x [B, chunk, V] x 4 bytes.
+LOGITS_BUDGET_BYTES = 256 << 20
+
+
+def auto_chunk_size(batch: int, time: int, vocab: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int | None:
+    """The time-chunk for `token_logprobs(chunk_size=...)` chosen from the shapes: None when the
+    whole [B, T, V] projection (logits and softmax in f32) fits `budget_bytes`, else the largest
+    power of two of time steps whose chunk does (at least 1). A 151,936-id vocabulary at B = 64
+    rows takes 8 steps per chunk; a 17-symbol one is never chunked."""
+    per_step = 2 * 4 * batch * vocab
+    if per_step * time <= budget_bytes:
+        return None
+    steps = max(1, budget_bytes // per_step)
+    return 1 << (steps.bit_length() - 1)
+
+
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_size: int | None = None,
                    remat: bool = False, unroll: bool = False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rljax.errors import ConfigError
+from rljax.models import auto_chunk_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +19,10 @@ class UpdateConfig:
     compute); `unroll_layers` unrolls the layer scan of the trained forward (XLA can then fuse
     across layer boundaries and schedule each layer's matmuls on their own; compiles take longer;
     see `rljax.models.hidden_states` and BENCHMARKS.md).
+    Scoring: `logprob_chunk` is the time-chunk of the vocabulary projection (None: chosen from the
+    shapes by `rljax.models.auto_chunk_size`, so a 150k vocabulary never holds [B, T, V]; a
+    chunk is recomputed in the backward pass). `log_entropy` reports the policy entropy; with it
+    off and `entropy_coef = 0` the entropy is not computed at all.
     """
 
     num_epochs: int = 1
@@ -25,11 +30,19 @@ class UpdateConfig:
     num_microbatches: int = 1
     remat: bool = False
     unroll_layers: bool = False
+    logprob_chunk: int | None = None
+    log_entropy: bool = True
 
     def __post_init__(self):
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1")
+        if self.logprob_chunk is not None and self.logprob_chunk < 1:
+            raise ConfigError(f"update.logprob_chunk={self.logprob_chunk} must be >= 1 (or unset: automatic)")
+
+    def chunk_for(self, batch: int, time: int, vocab: int) -> int | None:
+        """The vocabulary-projection time-chunk for a [batch, time] scoring pass."""
+        return self.logprob_chunk or auto_chunk_size(batch, time, vocab)
 
     @property
     def chunks(self) -> int:

@@ -42,8 +42,11 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     own ratio for every aggregation mode."""
     params, value_params = trainable
     m = batch.loss_mask_bt
-    logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=True,
-                               remat=update_cfg.remat, unroll=update_cfg.unroll_layers)
+    b, t = batch.tokens_bt.shape
+    with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy
+    logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
+                               chunk_size=update_cfg.chunk_for(b, t, cfg.vocab_size), remat=update_cfg.remat,
+                               unroll=update_cfg.unroll_layers)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
         logp, batch.old_logp_bt, batch.advantages_bt, m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
         dual_clip=algo.dual_clip)
@@ -55,16 +58,11 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     loss_den = share * den
     num_pg = agg(pg_bt)
     total = num_pg / den
-    ent_num = agg(ent)
-    if algo.entropy_coef > 0:
-        total = total - algo.entropy_coef * ent_num / den
     n_tok = jnp.sum(m)
     msum = lambda x: jnp.sum(sg(x) * m)  # noqa: E731
     log_ratio = logp - batch.old_logp_bt
     pairs: MetricPairs = {
         "loss/policy": (sg(num_pg), loss_den),
-        "loss/entropy": (sg(ent_num), loss_den),
-        "entropy": (msum(ent), n_tok),
         "clip/low_frac": (msum(st["clip_low"]), n_tok),
         "clip/high_frac": (msum(st["clip_high"]), n_tok),
         "ratio/mean": (msum(st["ratio"]), n_tok),
@@ -72,6 +70,12 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         "approx_kl": (msum(kl(batch.old_logp_bt, logp, "k3")), n_tok),
         "logp_diff/abs_mean": (msum(jnp.abs(log_ratio)), n_tok),
     }
+    if ent is not None:
+        ent_num = agg(ent)
+        if algo.entropy_coef > 0:
+            total = total - algo.entropy_coef * ent_num / den
+        pairs["loss/entropy"] = (sg(ent_num), loss_den)
+        pairs["entropy"] = (msum(ent), n_tok)
     if algo.uses_reference:
         kl_bt = kl(logp, batch.ref_logp_bt, algo.kl_estimator, clamp=algo.kl_clamp)
         pairs["kl_ref"] = (msum(kl_bt), n_tok)
