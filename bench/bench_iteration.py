@@ -60,8 +60,7 @@ def main() -> None:
     controls = sample_controls(cfg, tok)
     state = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
                              shaping=cfg.shaping)
-    iteration = make_iteration(controls, callback, num_groups=cfg.rl.prompts_per_iteration,
-                               needs=cfg.algorithm.needs)
+    iteration = make_iteration(controls, callback, num_groups=cfg.rl.prompts_per_iteration)
     it = iter(data.dataset)
 
     fused, compiles_first = [], None

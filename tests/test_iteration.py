@@ -106,16 +106,25 @@ def test_remax_rollout_carries_the_greedy_baseline(params):
 
 
 def test_remax_iteration_end_to_end(params):
-    """ReMax through the compiled iteration: the loop passes the objective's declared needs, the
-    update consumes the baseline (advantage = reward - baseline), and params move."""
+    """ReMax through the compiled iteration: the iteration reads the objective's declared needs
+    from the state, and the update consumes the baseline: adv/mean equals the token mean of
+    reward - greedy reward computed here from the same rollout (a baseline ignored, or taken as 0,
+    gives the plain reward mean instead), and params move."""
     tokens, mask, index = _prompts(3)
     algo = AlgorithmConfig(algorithm="remax")
-    state = init_train_state(CFG, params, algo, OptimConfig(learning_rate=1e-2))
-    before = np.asarray(state.params["embed"]).copy()
-    iteration = make_iteration(CONTROLS, reward_callback, num_groups=P, needs=algo.needs)
-    state, metrics, _ = iteration(state, tokens, mask, index, jax.random.key(11))
+    state = init_train_state(CFG, jax.tree.map(jnp.copy, params), algo, OptimConfig(learning_rate=1e-2))
+    before = np.asarray(state.params["embed"]).copy()  # (the iteration donates the state's buffers)
+    key = jax.random.key(11)
+    batch, _, _ = rollout(CFG, params, tokens, mask, index, jax.random.split(key)[0], controls=CONTROLS,
+                          reward_callback=reward_callback, num_groups=P, needs=algo.needs)
+    iteration = make_iteration(CONTROLS, reward_callback, num_groups=P)
+    state, metrics, _ = iteration(state, tokens, mask, index, key)
     assert all(np.isfinite(float(v)) for v in metrics.values())
-    assert "rollout/baseline_reward_mean" in metrics and "train/reward_mean" in metrics
+    loss_mask = np.asarray(batch.loss_mask_bt)
+    adv_b = np.asarray(batch.rewards_b) - np.asarray(batch.baseline_rewards_b)
+    want = (adv_b[:, None] * loss_mask).sum() / loss_mask.sum()
+    np.testing.assert_allclose(float(metrics["adv/mean"]), want, atol=1e-6)
+    assert abs(want - (np.asarray(batch.rewards_b)[:, None] * loss_mask).sum() / loss_mask.sum()) > 1e-3
     assert not np.array_equal(np.asarray(state.params["embed"]), before)
 
 

@@ -67,7 +67,7 @@ def _wait(procs: list[subprocess.Popen]) -> None:
 
 
 def _untimed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time") and k != "rollout/tokens_per_s"}
+    return {k: v for k, v in row.items() if not k.startswith("time")}
 
 
 def test_two_process_rljax_train_equals_one_process_and_checkpoint_restores_in_one(tmp_path):

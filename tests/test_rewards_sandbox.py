@@ -226,8 +226,7 @@ def test_signalling_parent_fails():
                  "import os, signal\nos.killpg(0, signal.SIGKILL)",
                  f"import signal\nsignal.pthread_kill({me}, 9)"]:
         score, _, _ = _run(code, ["assert True"])
-        assert score == 0.0
-    assert os.getpid() == me
+        assert score == 0.0  # and this test process is still here to check it
 
 
 def test_rejects_malformed_tests():

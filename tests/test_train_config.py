@@ -45,6 +45,7 @@ def test_overrides_are_typed_and_reach_nested_sections():
     ("shaping.overlong_max_length=0", "shaping.overlong_max_length=0 must be >= 1"),
     ("update.num_minibatches=3", "must be divisible by update.num_minibatches"),
     ("algorithm.gamma=0.9", "gamma=0.9 has no effect on advantage='grpo'"),
+    ("rl.reference_reset_every=5", "rl.reference_reset_every=5 needs a KL reference: set algorithm.kl_coef > 0"),
 ])
 def test_bad_config_is_one_clear_line(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

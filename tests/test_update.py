@@ -13,7 +13,7 @@ import pytest
 
 from rljax.errors import ConfigError
 from rljax.models import forward, init_params, preset, token_logprobs
-from rljax.objectives import ADVANTAGES, AlgorithmConfig, gae_from_rewards, prompt_major_group_ids
+from rljax.objectives import ADVANTAGES, POLICY_LOSSES, AlgorithmConfig, gae_from_rewards, prompt_major_group_ids
 from rljax.objectives.advantages import dense_rewards
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig
@@ -153,6 +153,8 @@ def test_bad_batch_size_and_missing_remax_baseline_are_config_errors():
         update_step(state, _batch(0), jax.random.key(0))
     with pytest.raises(ConfigError, match="gamma=0.9 has no effect"):
         AlgorithmConfig(algorithm="grpo", gamma=0.9)
+    with pytest.raises(ConfigError, match="lam=0.9 has no effect on advantage='reinforce_pp'"):
+        AlgorithmConfig(algorithm="reinforce_pp", lam=0.9)
 
 
 def test_algorithms_declare_their_rollout_needs():
@@ -163,6 +165,9 @@ def test_algorithms_declare_their_rollout_needs():
     assert AlgorithmConfig(algorithm="ppo").needs.values
     assert AlgorithmConfig(algorithm="grpo", kl_coef=0.04).needs.reference_logp
     assert not AlgorithmConfig(algorithm="dapo").needs.reference_logp
+
+    with pytest.raises(ValueError, match="cannot declare rollout needs"):
+        POLICY_LOSSES.register("test_loss_with_needs", needs=("reference_logp",))  # it would never receive them
 
     name = "test_greedy_minus_mean"
     if name not in ADVANTAGES:

@@ -14,7 +14,7 @@ from typing import Any
 
 from rljax.errors import ConfigError
 from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY,
-                                       POLICY_LOSSES)
+                                       POLICY_LOSSES, ROLLOUT_NEEDS)
 
 _BASE: dict[str, Any] = dict(advantage="grpo", policy_loss="ppo_clip", aggregation="seq-mean-token-mean",
                              clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
@@ -23,7 +23,7 @@ _BASE: dict[str, Any] = dict(advantage="grpo", policy_loss="ppo_clip", aggregati
 
 # Estimators whose result depends on the discount gamma (the token-level ones); any other
 # estimator with gamma != 1 is a config error rather than a silently ignored setting.
-_USES_GAMMA: dict[str, tuple[str, ...]] = {"gae": ("gamma",), "reinforce_pp": ("gamma",)}
+_USES_GAMMA: dict[str, tuple[str, ...]] = {"gae": ("gamma", "lam"), "reinforce_pp": ("gamma",)}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (2024): group-normalised advantage, sequence-then-token mean, k3 KL loss.
@@ -131,6 +131,8 @@ class AlgorithmConfig:
         need(self.gamma == 1.0 or "gamma" in _USES_GAMMA.get(self.advantage, ()),
              f"gamma={self.gamma} has no effect on advantage={self.advantage!r} (a sequence-level "
              f"estimator); discounting applies to {', '.join(sorted(_USES_GAMMA))}: set gamma=1")
+        need(self.lam == 1.0 or "lam" in _USES_GAMMA.get(self.advantage, ()),
+             f"lam={self.lam} has no effect on advantage={self.advantage!r}; only gae uses lambda: set lam=1")
         need(self.norm_length is None or self.norm_length >= 1, f"norm_length={self.norm_length} must be >= 1")
         need(self.off_policy_level in ("token", "sequence"),
              f"off_policy_level={self.off_policy_level!r}; choose one of token, sequence")
@@ -154,10 +156,10 @@ class AlgorithmConfig:
     @property
     def needs(self) -> RolloutNeeds:
         """What this objective needs from the rollout, from its registry entries' declarations."""
-        declared = ADVANTAGES.needs(self.advantage) | POLICY_LOSSES.needs(self.policy_loss)
-        return RolloutNeeds(greedy_baseline="greedy_baseline" in declared,
-                            values=self.uses_values or "values" in declared,
-                            reference_logp=self.uses_reference or "reference_logp" in declared)
+        declared = set(ADVANTAGES.needs(self.advantage))
+        declared |= {"values"} if self.uses_values else set()
+        declared |= {"reference_logp"} if self.uses_reference else set()
+        return RolloutNeeds(**{name: name in declared for name in ROLLOUT_NEEDS})
 
     def replace(self, **changes) -> AlgorithmConfig:
         return dataclasses.replace(self, **changes)

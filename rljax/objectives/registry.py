@@ -2,7 +2,8 @@
 
 Each registry knows its own valid names, so config validation and error messages are driven
 from the registry and cannot drift from what is implemented. An entry also declares what it
-needs from the rollout beyond tokens, log-probs and rewards (`ROLLOUT_NEEDS`): ReMax's estimator
+needs from the rollout beyond tokens, log-probs and rewards (`ROLLOUT_NEEDS`; only advantage
+estimators declare needs, since they are what receives the optional fields): ReMax's estimator
 needs a greedy baseline, GAE needs a value model. `AlgorithmConfig.needs` collects them, and the
 rollout and update step ask it instead of special-casing an algorithm.
 """
@@ -22,14 +23,18 @@ ROLLOUT_NEEDS = ("greedy_baseline", "values", "reference_logp")
 class Registry(Generic[F]):
     """A named table of pure functions of one kind (advantage estimators, policy losses, ...)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, *, accepts_needs: bool = False):
         self.kind = kind
+        self.accepts_needs = accepts_needs
         self._fns: dict[str, F] = {}
         self._needs: dict[str, frozenset[str]] = {}
 
     def register(self, name: str, *, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
         """Decorator: `@ADVANTAGES.register("remax", needs=("greedy_baseline",))` adds the
         function under `name`, with what it needs from the rollout (names in `ROLLOUT_NEEDS`)."""
+        if needs and not self.accepts_needs:
+            raise ValueError(f"a {self.kind} cannot declare rollout needs (only advantage estimators receive "
+                             "the rollout's optional fields)")
         unknown = set(needs) - set(ROLLOUT_NEEDS)
         if unknown:
             raise ValueError(f"{self.kind} {name!r} needs unknown rollout data {sorted(unknown)}; "
@@ -64,7 +69,7 @@ class Registry(Generic[F]):
         return f"Registry({self.kind!r}, {list(self.names())})"
 
 
-ADVANTAGES: Registry = Registry("advantage estimator")
+ADVANTAGES: Registry = Registry("advantage estimator", accepts_needs=True)
 POLICY_LOSSES: Registry = Registry("policy loss")
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 AGGREGATIONS: Registry = Registry("loss aggregation")

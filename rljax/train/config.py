@@ -208,6 +208,9 @@ class TrainConfig:
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples
+        if self.rl.reference_reset_every and not self.algorithm.needs.reference_logp:
+            raise ConfigError(f"rl.reference_reset_every={self.rl.reference_reset_every} needs a KL reference: set "
+                              f"algorithm.kl_coef > 0, or rl.reference_reset_every=0")
         if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
                               f"update.num_minibatches * num_microbatches = {self.update.chunks}")

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rljax.objectives.config import RolloutNeeds
 from rljax.sampling import SampleControls
 from rljax.sharding import Layout, sync_weights
 from rljax.sharding.rules import batch_axes
@@ -50,8 +49,8 @@ def merge_metrics(*parts: dict) -> dict:
     return merged
 
 
-def _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling, needs):
-    def fn(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+def _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling):
+    def fn(cfg, needs, params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         return rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
                        reward_callback=reward_callback, num_groups=num_groups, needs=needs,
                        dynamic_sampling=dynamic_sampling)
@@ -59,18 +58,17 @@ def _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling, needs):
 
 
 def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_groups: int,
-                   needs: RolloutNeeds = RolloutNeeds(), dynamic_sampling: bool = False,
-                   layout: Layout | None = None):
+                   dynamic_sampling: bool = False, layout: Layout | None = None):
     """Builds `iteration(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (state, metrics,
-    preview)`, ONE jitted program with the state donated. `needs` is the objective's
-    (`state.algo.needs`). With a `layout` (the trainer's), the new state comes back in it and the
-    metrics and preview come back replicated (readable on every process)."""
-    roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling, needs)
+    preview)`, ONE jitted program with the state donated. The rollout produces what the objective
+    needs (`state.algo.needs`, static). With a `layout` (the trainer's), the new state comes back
+    in it and the metrics and preview come back replicated (readable on every process)."""
+    roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling)
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         k_sample, k_update = jax.random.split(key)
-        batch, rollout_metrics, preview = roll(state.model_cfg, state.params, prompt_tokens_pt, prompt_mask_pt,
-                                               index_p, k_sample)
+        batch, rollout_metrics, preview = roll(state.model_cfg, state.algo.needs, state.params, prompt_tokens_pt,
+                                               prompt_mask_pt, index_p, k_sample)
         state, train_metrics = update(state, batch, k_update)
         metrics = merge_metrics(rollout_metrics, train_metrics)
         if layout is not None:
@@ -85,7 +83,7 @@ def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_g
 
 def make_split_iteration(controls: SampleControls, reward_callback: Callable, state: TrainState, *,
                          num_prompts: int, num_groups: int, trainer: Layout, sampler: Layout,
-                         needs: RolloutNeeds = RolloutNeeds(), dynamic_sampling: bool = False):
+                         dynamic_sampling: bool = False):
     """Builds `iteration(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (state, metrics,
     preview)` as weight sync -> sampling program (sampler layout) -> update program (trainer layout).
 
@@ -94,8 +92,8 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
     (the on-device reshard of the params), `time/sample_s` (sampling, verifier callback included)
     and `time/update_s`.
     """
-    roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling, needs)
-    cfg = state.model_cfg
+    roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling)
+    cfg, needs = state.model_cfg, state.algo.needs
     rows = num_groups * controls.num_samples
 
     def rows_sharding(layout: Layout, size: int) -> NamedSharding:
@@ -106,7 +104,7 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
 
     def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         k_sample, _ = jax.random.split(key)
-        return roll(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
+        return roll(cfg, needs, params, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
 
     def update_program(state, batch, key):
         _, k_update = jax.random.split(key)

@@ -97,6 +97,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
         t0 = time.perf_counter()
         state = maybe_reset_reference(state, it, cfg.rl.reference_reset_every)
         state, metrics, preview = iteration(state, *prompts, jax.random.fold_in(run.keys["loop"], it))
+        metrics = jax.block_until_ready(metrics)  # the call returns at dispatch on an accelerator
         metrics = step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(),
                                fused=run.sampler_layout is None)
         step = it + 1
@@ -207,8 +208,7 @@ def compile_iteration(run: Run, state: TrainState):
     Shapes are global: `prompts_per_iteration` groups from `num_prompts` prompts over all processes."""
     cfg = run.cfg
     callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
-    common = dict(num_groups=cfg.rl.prompts_per_iteration, needs=cfg.algorithm.needs,
-                  dynamic_sampling=cfg.rl.dynamic_sampling)
+    common = dict(num_groups=cfg.rl.prompts_per_iteration, dynamic_sampling=cfg.rl.dynamic_sampling)
     if run.sampler_layout is not None:
         iteration = make_split_iteration(run.controls, callback, state, num_prompts=run.num_prompts,
                                          trainer=run.trainer_layout, sampler=run.sampler_layout, **common)
@@ -238,7 +238,7 @@ def step_metrics(metrics, seconds: float, verify_seconds: float, *, fused: bool)
     out["time/verify_s"] = verify_seconds  # timed on the host of process 0, where it runs
     if fused:  # sampling and the update share one compiled program
         out["time/sample_and_update_s"] = seconds - verify_seconds
-    out["rollout/tokens_per_s"] = out["rollout/tokens"] / seconds
+    out["time/generated_tokens_per_s"] = out["rollout/tokens"] / seconds  # over the whole iteration
     return out
 
 
@@ -266,8 +266,7 @@ def finish(run: Run, state: TrainState, history: list[dict[str, Any]], accuracy:
     run.ckpt.wait()
     run.ckpt.close()
     run.writer.close()
-    plot = plot_curves(run.writer.read(), run.out / "curves.png", keys=("rollout/reward_mean", "eval/accuracy")) \
-        if _is_main() else None
+    plot = plot_curves(run.writer.read(), run.out / "curves.png") if _is_main() else None
     start_accuracy = history[0].get("eval/accuracy") if history else None
     return RunResult(run.out, state, history, start_accuracy, accuracy, plot)
 

@@ -177,7 +177,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(rows: list[dict[str, Any]], path: str | Path,
-                keys: tuple[str, ...] = ("reward/mean", "eval/accuracy")) -> Path | None:
+                keys: tuple[str, ...] = ("rollout/reward_mean", "eval/accuracy")) -> Path | None:
     """Plots the named metrics against step into one PNG (one panel per metric present)."""
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's (e.g. a notebook's) backend alone
 

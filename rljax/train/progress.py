@@ -17,7 +17,7 @@ class Progress:
             return
         if metrics.get("eval/accuracy") is not None:
             self._acc = metrics["eval/accuracy"]
-        post = {"reward": f"{metrics['rollout/reward_mean']:.3f}", "tok/s": f"{metrics['rollout/tokens_per_s']:.0f}"}
+        post = {"reward": f"{metrics['rollout/reward_mean']:.3f}", "tok/s": f"{metrics['time/generated_tokens_per_s']:.0f}"}
         if self._acc is not None:
             post["acc"] = f"{self._acc:.3f}"
         self._bar.set_postfix(post, refresh=False)

@@ -7,7 +7,7 @@
 
 What the objective needs beyond tokens, log-probs and rewards comes from
 `AlgorithmConfig.needs` (declared by its registry entries); each need has its producer here, so
-a new kind of rollout data is one field on `RolloutBatch` plus one producer below.
+a new kind of rollout data adds its producer below (see docs/api/objectives.md for the rest).
 """
 
 from __future__ import annotations

@@ -92,11 +92,16 @@ def _chunked(fn, chunks: int, *arrays):
     return out.reshape(-1, *out.shape[2:])
 
 
+# Needs the rollout itself must provide, by the `RolloutBatch` field that carries each (values
+# and reference log-probs are scored by `prepare_batch` from the train state instead).
+ROLLOUT_FIELDS = {"greedy_baseline": "baseline_rewards_b"}
+
+
 def _check_provides(algo, batch: RolloutBatch) -> None:
-    needs = algo.needs
-    if needs.greedy_baseline and batch.baseline_rewards_b is None:
-        raise ConfigError(f"advantage={algo.advantage!r} needs batch.baseline_rewards_b (the greedy response's "
-                          "reward): build the rollout with `needs=algo.needs` (rljax.train.rollout)")
+    for need, field in ROLLOUT_FIELDS.items():
+        if getattr(algo.needs, need) and getattr(batch, field) is None:
+            raise ConfigError(f"advantage={algo.advantage!r} declares the need {need!r}, but batch.{field} is None: "
+                              "build the batch with rljax.train.rollout (it reads state.algo.needs)")
 
 
 def _masked_mean(x_b, weight_b):
