@@ -57,7 +57,7 @@ def test_length_parts_need_num_tokens():
 def test_reasoning_gym_task_source_and_verifier():
     """Generated problems score 1 with their gold answer in <answer> tags, 0 with a wrong one."""
     from rljax.data.sources import from_reasoning_gym
-    from rljax.train.setup import verifier_metadata
+    from rljax.data.example import verifier_metadata
 
     examples = from_reasoning_gym("basic_arithmetic", size=4, seed=3).examples
     examples += from_reasoning_gym("chain_sum", size=2, seed=1).examples

@@ -21,9 +21,9 @@ _BASE: dict[str, Any] = dict(advantage="grpo", policy_loss="ppo_clip", aggregati
                              kl_in_reward=False, std_normalize=True, whiten_advantages=False,
                              value_coef=0.0)
 
-# Estimators whose result depends on the discount gamma (the token-level ones); any other
-# estimator with gamma != 1 is a config error rather than a silently ignored setting.
-_USES_GAMMA: dict[str, tuple[str, ...]] = {"gae": ("gamma", "lam"), "reinforce_pp": ("gamma",)}
+# The token-level estimators and the discount parameters each reads; gamma or lam != 1 on any
+# other estimator is a config error rather than a silently ignored setting.
+_DISCOUNT_PARAMS: dict[str, tuple[str, ...]] = {"gae": ("gamma", "lam"), "reinforce_pp": ("gamma",)}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (2024): group-normalised advantage, sequence-then-token mean, k3 KL loss.
@@ -128,10 +128,10 @@ class AlgorithmConfig:
         need(self.kl_clamp is None or self.kl_clamp > 0, f"kl_clamp={self.kl_clamp} must be > 0 (or None)")
         need(self.value_coef >= 0, f"value_coef={self.value_coef} must be >= 0")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must lie in [0, 1]")
-        need(self.gamma == 1.0 or "gamma" in _USES_GAMMA.get(self.advantage, ()),
+        need(self.gamma == 1.0 or "gamma" in _DISCOUNT_PARAMS.get(self.advantage, ()),
              f"gamma={self.gamma} has no effect on advantage={self.advantage!r} (a sequence-level "
-             f"estimator); discounting applies to {', '.join(sorted(_USES_GAMMA))}: set gamma=1")
-        need(self.lam == 1.0 or "lam" in _USES_GAMMA.get(self.advantage, ()),
+             f"estimator); discounting applies to {', '.join(sorted(_DISCOUNT_PARAMS))}: set gamma=1")
+        need(self.lam == 1.0 or "lam" in _DISCOUNT_PARAMS.get(self.advantage, ()),
              f"lam={self.lam} has no effect on advantage={self.advantage!r}; only gae uses lambda: set lam=1")
         need(self.norm_length is None or self.norm_length >= 1, f"norm_length={self.norm_length} must be >= 1")
         need(self.off_policy_level in ("token", "sequence"),

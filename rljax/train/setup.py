@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from rljax import rewards
-from rljax.data.example import Example, verifier_metadata  # noqa: F401 (re-exported for the loop)
+from rljax.data.example import Example
 from rljax.data.sources import load_task
 from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat

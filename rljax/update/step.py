@@ -85,6 +85,11 @@ def reset_reference(state: TrainState, reset_optimizer: bool = True) -> TrainSta
     return state.replace(ref_params=_copy(state.params), opt_state=opt_state)
 
 
+def _extreme(name: str, values):
+    """The extreme a `.../min` or `.../max` metric keeps over micro-batches, mini-batches, epochs."""
+    return jnp.min(values) if name.endswith("/min") else jnp.max(values)
+
+
 def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
     """update(train_state, batch, rng) -> (train_state, metrics), traceable (`update_step` is its
     jitted, donating form; call this one inside a larger compiled program).
@@ -116,7 +121,7 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
         zeros = jax.tree.map(jnp.zeros_like, trainable)
         grads, (pairs, ext) = jax.lax.scan(micro, zeros, rows(mb, n_micro))
         pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), pairs)
-        ext = {k: (jnp.min if k.endswith("/min") else jnp.max)(v) for k, v in ext.items()}
+        ext = {k: _extreme(k, v) for k, v in ext.items()}
         pairs["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return (optax.apply_updates(trainable, updates), opt_state), (pairs, ext)
@@ -135,7 +140,7 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
     for name, (num, den) in pairs.items():
         metrics[name] = jnp.sum(num) / jnp.maximum(jnp.sum(den), 1e-8)
     for name, v in ext.items():
-        metrics[name] = (jnp.min if name.endswith("/min") else jnp.max)(v)
+        metrics[name] = _extreme(name, v)
     # The first mini-batch is scored with the params that sampled: its log-prob gap is the
     # sampler/trainer mismatch (PPO's ratio at the start of the update).
     first_num, first_den = pairs["logp_diff/abs_mean"]
