@@ -15,7 +15,7 @@ from rljax.data.sources import load_task
 from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat
 from rljax.errors import ConfigError
-from rljax.models import ModelConfig, init_params, load_hf
+from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
 from rljax.train.config import DataSection, MeshSection, ModelSection, RewardSection, TrainConfig
@@ -30,17 +30,26 @@ def build_tokenizer(section: ModelSection) -> Tokenizer:
     return load_tokenizer(name)
 
 
-def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array) -> tuple[ModelConfig, Any]:
-    """Loads the HF checkpoint, or random-inits a Qwen2-style model sized by the section."""
+def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
+    """The policy's ModelConfig without allocating: the checkpoint's config.json with the section's
+    dtypes, or a Qwen2-style model sized by the section for random init."""
     if section.checkpoint:
-        return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
-    cfg = ModelConfig(
+        return read_hf_config(section.checkpoint, param_dtype=section.param_dtype,
+                              compute_dtype=section.compute_dtype)
+    return ModelConfig(
         model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=section.hidden_size,
         intermediate_size=section.intermediate_size, num_layers=section.num_layers,
         num_heads=section.num_heads, num_kv_heads=section.num_kv_heads, head_dim=section.head_dim,
         qkv_bias=True, tie_embeddings=True, max_positions=section.max_positions,
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_ids[0] if tokenizer.eos_ids else None,
         pad_token_id=tokenizer.pad_id, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+
+
+def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array) -> tuple[ModelConfig, Any]:
+    """Loads the HF checkpoint, or random-inits a Qwen2-style model sized by the section."""
+    if section.checkpoint:
+        return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+    cfg = policy_config(section, tokenizer)
     return cfg, init_params(cfg, key)
 
 
