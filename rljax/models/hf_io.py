@@ -1,11 +1,15 @@
 """Hugging Face checkpoint I/O: `config.json` + `*.safetensors` (sharded index included).
 
-Loading streams tensor by tensor into preallocated host arrays, so peak host memory is about one
-copy of the model plus one tensor. Export writes a directory that transformers loads as is.
+Loading streams tensor by tensor: each of our leaves is filled from its HF tensors into
+shard-sized host buffers and placed (`load_hf`), so peak host memory is one leaf's shards plus
+one tensor, and with a sharding nothing is ever whole on a device. Export writes a directory
+that transformers loads as is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -90,15 +94,51 @@ def read_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
 
 
 def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32", compute_dtype: str = "float32",
-            **overrides) -> tuple[ModelConfig, Params]:
-    """Loads a HF checkpoint directory into (config, params), streaming one tensor at a time."""
+            shardings=None, **overrides) -> tuple[ModelConfig, Params]:
+    """Loads a HF checkpoint directory into (config, params), streaming one tensor at a time.
+
+    Every tensor is checked against config.json from its header first (a wrong shape is named by
+    its HF key, a missing or unexpected tensor before anything is read). Then each of our leaves
+    is built on its own: every HF tensor it needs is read once, converted to our layout
+    (`_hf_layer_map`), and only the slices this process's devices hold are copied into
+    shard-sized host buffers (a stacked [L, ...] leaf layer by layer), which become the global
+    array through `jax.make_array_from_callback`. So with `shardings` (a params-shaped tree of
+    NamedShardings, e.g. `Layout.params` of the abstract params) the params are born sharded:
+    no device and no host buffer holds more than its shards plus the one tensor being read, and
+    each process of a multi-process run reads only what its own devices hold. Without
+    `shardings` the params land on the default device, one leaf at a time.
+    """
     path = Path(path)
     cfg = read_hf_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    sources = _tensor_sources(path, cfg, shapes)
     np_dtype = _NP_DTYPES[param_dtype]
-    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), shapes)
-    filled: set[tuple[str, int]] = set()
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: None, shapes)
+    with _TensorReader() as reader:
+        def leaf(key_path, shape, sharding):
+            ours = key_path[-1].key
+            layers = range(cfg.num_layers) if key_path[0].key == "layers" else None
+            return _load_leaf(shape.shape, np_dtype, sharding, reader, sources, ours, layers)
+        params = jax.tree_util.tree_map_with_path(leaf, shapes, shardings, is_leaf=lambda x: x is None)
+    return cfg, params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where one of our (key, layer) pieces lives: its file, its HF name, and HF -> our layout."""
+
+    file: Path
+    name: str
+    to_ours: Callable
+
+
+def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int], _Source]:
+    """(our key, layer or -1) -> source, from the safetensors headers alone (no tensor is read).
+    Raises CheckpointError for an unexpected tensor, a shape that does not fit config.json, or a
+    missing tensor."""
     layer_map = _hf_layer_map(cfg)
+    sources: dict[tuple[str, int], _Source] = {}
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="np") as f:
             for name in f.keys():
@@ -108,7 +148,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32", compute_dt
                     ours, layer, to_ours = _TOP_LEVEL[name], -1, (lambda w: w)
                     if ours == "lm_head" and cfg.tie_embeddings:
                         continue  # some exporters also write the tied head; the embedding wins
-                    target = host.get(ours)
+                    want = shapes[ours].shape if ours in shapes else None
                 else:
                     m = _LAYER_KEY.match(name)
                     if not m or m.group(2) not in layer_map:
@@ -118,26 +158,78 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32", compute_dt
                     ours, to_ours, _ = layer_map[m.group(2)]
                     if layer >= cfg.num_layers:
                         raise CheckpointError(f"tensor {name!r} is past num_hidden_layers={cfg.num_layers}")
-                    target = host["layers"][ours]
-                value = to_ours(f.get_tensor(name))
-                want = target.shape if layer < 0 else target.shape[1:]
-                if value.shape != want:
-                    raise CheckpointError(f"tensor {name!r} has shape {f.get_slice(name).get_shape()}, "
-                                          f"which does not fit config.json (expected {want} in our layout)")
-                if layer < 0:
-                    target[...] = value.astype(np_dtype)
-                else:
-                    target[layer] = value.astype(np_dtype)
-                filled.add((ours, layer))
-    expected = {(k, -1) for k in host if k != "layers"}
-    expected |= {(k, i) for k in host["layers"] for i in range(cfg.num_layers)}
-    missing = sorted(expected - filled)
+                    want = shapes["layers"][ours].shape[1:]
+                hf_shape = tuple(f.get_slice(name).get_shape())
+                if want is None or _converted_shape(to_ours, hf_shape) != want:
+                    raise CheckpointError(f"tensor {name!r} has shape {list(hf_shape)}, which does not fit "
+                                          f"config.json (expected {want} in our layout)")
+                sources[(ours, layer)] = _Source(file, name, to_ours)
+    expected = {(k, -1) for k in shapes if k != "layers"}
+    expected |= {(k, i) for k in shapes["layers"] for i in range(cfg.num_layers)}
+    missing = sorted(expected - set(sources))
     if missing:
         key, layer = missing[0]
         where = f"layer {layer} " if layer >= 0 else ""
         raise CheckpointError(f"checkpoint {path} lacks {where}{key!r} ({len(missing)} tensors missing)")
-    params = jax.tree.map(lambda a: jnp.asarray(a), host)
-    return cfg, params
+    return sources
+
+
+def _converted_shape(to_ours: Callable, hf_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape `to_ours` makes of an HF tensor of `hf_shape` (None when it cannot convert it)."""
+    try:
+        return tuple(jax.eval_shape(to_ours, jax.ShapeDtypeStruct(hf_shape, np.float32)).shape)
+    except (TypeError, ValueError):
+        return None
+
+
+class _TensorReader:
+    """Reads single HF tensors in our layout, keeping each safetensors file open once."""
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        self._files: dict[Path, Any] = {}
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def read(self, source: _Source) -> np.ndarray:
+        if source.file not in self._files:
+            self._files[source.file] = self._stack.enter_context(safe_open(str(source.file), framework="np"))
+        return source.to_ours(self._files[source.file].get_tensor(source.name))
+
+
+def _load_leaf(shape: tuple[int, ...], np_dtype, sharding, reader: _TensorReader,
+               sources: dict[tuple[str, int], _Source], ours: str, layers: range | None) -> jax.Array:
+    """One of our leaves: its tensors read once each (per layer for a stacked leaf) and sliced into
+    one host buffer per distinct shard this process holds; then placed by `sharding` (default
+    device when None)."""
+    full = tuple(slice(0, n) for n in shape)
+    indices = list(sharding.addressable_devices_indices_map(shape).values()) if sharding is not None else [full]
+    buffers: dict[tuple, tuple[tuple[slice, ...], np.ndarray]] = {}
+    for index in indices:
+        key = _index_key(index, shape)
+        if key not in buffers:
+            bounds = tuple(slice(*k) for k in key)
+            buffers[key] = (bounds, np.empty(tuple(b.stop - b.start for b in bounds), np_dtype))
+    if layers is None:
+        value = reader.read(sources[(ours, -1)])
+        for bounds, buf in buffers.values():
+            buf[...] = value[bounds]
+    else:
+        for i in layers:
+            value = reader.read(sources[(ours, i)])
+            for bounds, buf in buffers.values():
+                if bounds[0].start <= i < bounds[0].stop:
+                    buf[i - bounds[0].start] = value[bounds[1:]]
+    if sharding is None:
+        return jnp.asarray(buffers[_index_key(full, shape)][1])
+    return jax.make_array_from_callback(shape, sharding, lambda index: buffers[_index_key(index, shape)][1])
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A hashable (start, stop) per dim of a shard's index (its slices may be open-ended)."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
 def _hf_tensors(cfg: ModelConfig, params: Params):

@@ -39,14 +39,22 @@ _NEG = -1e30
 # ----------------------------------------------------------------------------- init
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02, *, shardings=None) -> Params:
     """Random-init params (normal(0, std) weights, unit norms, zero biases).
 
     One compiled program for the whole tree, so start-up does not compile a sampler per weight
     shape. The fused program rounds the normal transform differently in the last bit (about 7e-9
     at std 0.02), so values differ from an eager draw at that level; the same key always gives
-    the same params."""
-    return _init_params_jit(cfg, key, std)
+    the same params.
+
+    `shardings` (a params-shaped tree of NamedShardings, e.g. `Layout.params` of the abstract
+    params) makes the params born sharded: the program's `out_shardings`, so each device draws
+    only its own shards and no device ever holds a whole weight. Values are bitwise those of the
+    unsharded init, because JAX's threefry is partitionable (`jax_threefry_partitionable`): a
+    random bit depends on the key and the element's global index, not on the layout."""
+    if shardings is None:
+        return _init_params_jit(cfg, key, std)
+    return jax.jit(_init_params, static_argnums=(0,), out_shardings=shardings)(cfg, key, std)
 
 
 def _init_params(cfg: ModelConfig, key: jax.Array, std) -> Params:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from rljax.models import ModelConfig, init_value_params
 from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig, make_optimizer, make_schedule
+from rljax.sharding import Layout, sync_weights
 from rljax.update.batch import RolloutBatch, prepare_batch, rows
 from rljax.update.config import UpdateConfig
 from rljax.update.loss import aggregation_denominator, microbatch_loss
@@ -57,19 +60,51 @@ def _copy(tree):
 
 def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConfig, optim: OptimConfig, *,
                      update_cfg: UpdateConfig = UpdateConfig(), shaping: RewardShaping = RewardShaping(),
-                     value_params: Params | None = None, key: jax.Array | None = None) -> TrainState:
+                     value_params: Params | None = None, key: jax.Array | None = None,
+                     layout: Layout | None = None) -> TrainState:
     """A fresh train state. The reference policy is a frozen copy of `params` when the objective
     needs reference log-probs (a KL term); a value model is built on the policy backbone when it
-    needs values (`value_coef > 0`)."""
+    needs values (`value_coef > 0`).
+
+    With `layout` (the trainer's `rljax.sharding.Layout`) the state is born sharded: the reference
+    copy, the value model and the optimiser moments come out of one compiled program whose
+    `out_shardings` are `layout.tree` of the abstract state (`jax.eval_shape`), so each device
+    writes only its own shards and no device holds a whole weight. `params` pass through as they
+    are when already in the layout (no copy); otherwise they are moved there device to device
+    first. Without a layout the state is built eagerly next to `params`."""
+    key = key if key is not None else jax.random.key(0)
+    configs = dict(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping)
+    if layout is None:
+        return TrainState(**configs, params=params, **_fresh_parts(model_cfg, algo, optim, params, value_params, key))
+    build = functools.partial(_fresh_parts, model_cfg, algo, optim)
+    abstract = jax.eval_shape(lambda p, v, k: TrainState(**configs, params=p, **build(p, v, k)),
+                              params, value_params, key)
+    shardings = layout.tree(abstract)
+    params = _in_layout(params, shardings.params)
+    out = {name: getattr(shardings, name) for name in ("step", "opt_state", "value_params", "ref_params")}
+    return TrainState(**configs, params=params, **jax.jit(build, out_shardings=out)(params, value_params, key))
+
+
+def _fresh_parts(model_cfg: ModelConfig, algo: AlgorithmConfig, optim: OptimConfig, params: Params,
+                 value_params: Params | None, key: jax.Array) -> dict[str, Any]:
+    """The fields of a fresh state besides params: step, optimiser state, value params, reference."""
     needs = algo.needs
     if needs.values and value_params is None:
-        value_params = init_value_params(model_cfg, params, key if key is not None else jax.random.key(0))
+        value_params = init_value_params(model_cfg, params, key)
     value_params = value_params if needs.values else None
-    ref = _copy(params) if needs.reference_logp else None
-    opt_state = make_optimizer(optim).init((params, value_params))
-    return TrainState(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping,
-                      step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      value_params=value_params, ref_params=ref)
+    return {"step": jnp.zeros((), jnp.int32), "opt_state": make_optimizer(optim).init((params, value_params)),
+            "value_params": value_params, "ref_params": _copy(params) if needs.reference_logp else None}
+
+
+def _in_layout(params: Params, shardings) -> Params:
+    """`params` in `shardings`: as they are when already there, else moved device to device."""
+    leaves = jax.tree.leaves(params)
+    if all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+           for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)):
+        return params
+    if all(isinstance(x, jax.Array) for x in leaves):
+        return sync_weights(params, shardings)[0]
+    return jax.device_put(params, shardings)
 
 
 def reset_reference(state: TrainState, reset_optimizer: bool = True) -> TrainState:
