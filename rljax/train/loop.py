@@ -36,7 +36,7 @@ from rljax.errors import CheckpointError, ConfigError
 from rljax.evaluation.runner import EvalSetup, greedy_accuracy
 from rljax.rewards import as_callback
 from rljax.sampling import SampleControls
-from rljax.sharding import Layout, global_batch, process_rows
+from rljax.sharding import Layout, abstract_like, global_batch, process_rows
 from rljax.train import setup
 from rljax.train.config import TrainConfig
 from rljax.train.iteration import make_iteration, make_split_iteration
@@ -128,7 +128,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     k_init, k_warm, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
     trainer_layout, sampler_layout = setup.build_layouts(cfg.mesh)
     tokenizer = setup.build_tokenizer(cfg.model)
-    model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init)
+    model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
     train_set, held_out, skipped = setup.build_splits(cfg.data)
     fmt = setup.prompt_format(cfg.data)
     reward_fn = setup.build_reward(cfg.reward)
@@ -155,9 +155,23 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
 
 
 def new_train_state(run: Run, params) -> TrainState:
+    """A fresh state born in the trainer layout: reference, value model and optimiser state come
+    out of one program with the layout's `out_shardings` (`init_train_state`), params as they are."""
     cfg = run.cfg
     return init_train_state(run.model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                            shaping=cfg.shaping)
+                            shaping=cfg.shaping, layout=run.trainer_layout)
+
+
+def abstract_train_state(run: Run) -> TrainState:
+    """The fresh state's shapes, dtypes and trainer-layout shardings, allocating nothing: the
+    restore target, so orbax reads each process's shards straight into place."""
+    cfg = run.cfg
+    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.params)
+    state = jax.eval_shape(lambda p: init_train_state(run.model_cfg, p, cfg.algorithm, cfg.optim,
+                                                      update_cfg=cfg.update, shaping=cfg.shaping), abstract_params)
+    if run.trainer_layout is None:
+        return state
+    return abstract_like(state, run.trainer_layout.tree(state))
 
 
 def initial_state(run: Run, *, resume: bool):
@@ -173,17 +187,17 @@ def initial_state(run: Run, *, resume: bool):
         run.log(f"no checkpoint in {run.ckpt.directory}; starting from scratch")
     params = warm_start(run)
     state = new_train_state(run, params)
-    accuracy = greedy_accuracy(run.evaluator, state.params)
+    accuracy = greedy_accuracy(run.evaluator, _eval_params(state.params, run))
     run.log(f"held-out greedy accuracy before RL: {accuracy:.3f}")
     row = {"step": 0, "eval/accuracy": accuracy, "eval/prompts_too_long": run.evaluator.num_too_long}
     run.writer.write(0, row)
-    return _place(state, run.trainer_layout), 0, [row], data_iter
+    return state, 0, [row], data_iter
 
 
 def restore(run: Run, data_iter) -> tuple[TrainState, int]:
     """The latest checkpoint, placed straight into the trainer layout (each process reads only the
     shards it holds), with the prompt iterator set to the batch after it."""
-    template = _place(new_train_state(run, run.params), run.trainer_layout)
+    template = abstract_train_state(run)
     restored = run.ckpt.restore(params=template.params, opt_state=template.opt_state, extra=_extra(template),
                                 model_config=run.model_cfg)
     data_iter.set_state(restored.data_state)
@@ -196,10 +210,13 @@ def warm_start(run: Run):
     cfg = run.cfg
     if not cfg.warm_start.steps:
         return run.params
+    params = run.params
+    if cfg.warm_start.target_accuracy:  # its validation runs the host-driven evaluator
+        params = _eval_params(params, run)
     validation = EvalSetup.build(run.model_cfg, run.train_set[:cfg.warm_start.validation_size], run.tokenizer,
                                  run.fmt, run.reward_fn, run.controls, max_prompt_len=cfg.data.max_prompt_tokens,
                                  add_bos=cfg.data.add_bos)
-    return run_warm_start(cfg, run.model_cfg, run.params, run.tokenizer, run.train_set, run.fmt, run.keys["warm"],
+    return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.keys["warm"],
                           validation=validation, log=run.log)
 
 
@@ -296,14 +313,6 @@ def _check_process_rows(layout: Layout, global_rows: int) -> None:
         raise ConfigError(f"process {jax.process_index()} loads prompt rows {got.start}:{got.stop} but its devices "
                           f"hold rows {want.start}:{want.stop} on mesh {dict(layout.mesh.shape)}; make the batch "
                           "axes (data x fsdp) a multiple of the process count")
-
-
-def _place(state: TrainState, layout: Layout | None) -> TrainState:
-    """The state in the trainer layout. Across processes it is placed from host copies (identical
-    in every process: same seed, same deterministic init and warm start), each process its shards."""
-    if layout is None:
-        return state
-    return jax.device_put(jax.device_get(state) if jax.process_count() > 1 else state, layout.tree(state))
 
 
 def _eval_params(params, run: Run):

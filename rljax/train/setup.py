@@ -16,6 +16,7 @@ from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat
 from rljax.errors import ConfigError
 from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
+from rljax.sharding import Layout
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
 from rljax.train.config import DataSection, MeshSection, ModelSection, RewardSection, TrainConfig
@@ -45,12 +46,19 @@ def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
         pad_token_id=tokenizer.pad_id, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
 
 
-def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array) -> tuple[ModelConfig, Any]:
-    """Loads the HF checkpoint, or random-inits a Qwen2-style model sized by the section."""
-    if section.checkpoint:
-        return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
+                 layout: Layout | None = None) -> tuple[ModelConfig, Any]:
+    """Loads the HF checkpoint, or random-inits a Qwen2-style model sized by the section.
+
+    With the trainer `layout` the params are born sharded in it (`load_hf` streams each tensor
+    into its shards, `init_params` draws each device's shards), so no device holds a whole
+    weight; without one they land on the default device."""
     cfg = policy_config(section, tokenizer)
-    return cfg, init_params(cfg, key)
+    shardings = layout.params(jax.eval_shape(lambda: init_params(cfg, key))) if layout is not None else None
+    if section.checkpoint:
+        return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                       shardings=shardings)
+    return cfg, init_params(cfg, key, shardings=shardings)
 
 
 def build_layouts(section: MeshSection):
