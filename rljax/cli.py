@@ -16,9 +16,13 @@ from rljax.errors import RljaxError
 # One line per subcommand module, in the order `rljax --help` lists them.
 _COMMAND_MODULES = [
     "rljax.train.command",
+    "rljax.plan.command",
     "rljax.models.command",
     "rljax.sampling.command",
 ]
+# Subcommands that set the environment before jax is first imported (building the parser imports
+# it): name -> module with `prepare(argv)`. `rljax plan` sets the simulated device count.
+_PREPARE = {"plan": "rljax.plan.command"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _PREPARE and "jax" not in sys.modules:
+        importlib.import_module(_PREPARE[argv[0]]).prepare(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -23,7 +23,7 @@ LAYERS = {
     "errors": 0, "config_io": 0, "optim": 0,
     "sampling": 1, "update": 1, "data": 1, "checkpoint": 1, "sharding": 1,
     "evaluation": 2,
-    "train": 3,
+    "train": 3, "plan": 3,
     "cli": CLI, "__main__": CLI,
 }
 LAYER_NAMES = ("foundations", "stages", "evaluation", "training loop", "command line")
@@ -120,13 +120,13 @@ def test_upward_imports_are_reported(tmp_path):
     _write(pkg, "evaluation/__init__.py")
     _write(pkg, "tokenizers/x.py", "from rljax import evaluation, models\n")  # one upward
     _write(pkg, "data/y.py", "import rljax.sampling\nfrom rljax import update_step\n")  # facade
-    _write(pkg, "plan/z.py", "")  # in no layer
+    _write(pkg, "extras/z.py", "")  # in no layer
     problems = upward_imports(pkg)
     expected = [
         ("rljax/data/y.py:2", "rljax (command line)"),
+        ("rljax/extras/z.py", "in no layer"),
         ("rljax/models/core.py:4", "rljax.train (training loop)"),
         ("rljax/models/rel.py:1", "rljax.sampling (stages)"),
-        ("rljax/plan/z.py", "in no layer"),
         ("rljax/tokenizers/x.py:1", "rljax.evaluation (evaluation)"),
     ]
     assert len(problems) == len(expected), problems
@@ -144,7 +144,7 @@ def test_docs_list_the_same_layers():
 
 
 @pytest.mark.parametrize("module, layer", [("rljax.sampling.command", CLI), ("rljax.train.loop", 3),
-                                           ("rljax.errors", 0), ("rljax", CLI), ("rljax.plan.x", None)])
+                                           ("rljax.errors", 0), ("rljax", CLI), ("rljax.extras.x", None)])
 def test_layer_of(module, layer):
     """`command` modules and the package root are CLI; others follow their top-level name."""
     assert layer_of(module) == layer

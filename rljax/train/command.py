@@ -35,6 +35,7 @@ def _train(args: argparse.Namespace) -> int:
 
     initialize()  # joins a multi-host run described by RLJAX_* env vars; a no-op otherwise
     cfg = load_config(args.config, args.overrides)
+    _check_memory(cfg)
     result = train(cfg, resume=args.resume)
     print(f"held-out greedy accuracy: {result.start_accuracy:.3f} -> {result.final_accuracy:.3f}")
     print(f"checkpoints: {result.output_dir / 'checkpoints'}")
@@ -42,6 +43,19 @@ def _train(args: argparse.Namespace) -> int:
     if result.plot:
         print(f"plot:        {result.plot}")
     return 0
+
+
+def _check_memory(cfg) -> None:
+    """Plans the run's memory per device before anything is allocated (abstract inputs only) and
+    stops with one line when it does not fit (`[plan]` section); no check where the device
+    memory is unknown (CPU) or `plan.check = false`."""
+    from rljax.plan.accelerators import device_memory
+
+    limit = device_memory(cfg.plan.accelerator, cfg.plan.device_memory_gib) if cfg.plan.check else None
+    if limit is not None:
+        from rljax.plan.advice import check_fits
+
+        check_fits(cfg, *limit)
 
 
 def _run_config(run_dir: str, step: str):

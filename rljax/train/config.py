@@ -183,6 +183,24 @@ class MetricsSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSection:
+    """The memory check `rljax train` runs before it allocates anything (`rljax.plan`): the
+    plan's per-device peak against the device memory, which is `device_memory_gib` when > 0,
+    else the named `accelerator`'s (v5e 16, v5p 95, v6e 32, h100 80, h200 141 GiB), else what
+    the devices report (`memory_stats()["bytes_limit"]` on GPU and TPU; CPU reports none, so
+    there is no check). A plan that does not fit stops the run with one line naming the setting
+    to change. `check = false` skips it (the plan compiles the run's programs once more)."""
+
+    accelerator: Literal["v5e", "v5p", "v6e", "h100", "h200"] | None = None
+    device_memory_gib: float = 0.0
+    check: bool = True
+
+    def __post_init__(self):
+        if self.device_memory_gib < 0:
+            raise ConfigError(f"plan.device_memory_gib={self.device_memory_gib} must be >= 0 (0: not set)")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run. `seed` drives init, sampling and shuffling; the same seed and config on the
     same hardware give the same result."""
@@ -205,6 +223,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = CheckpointSection()
     metrics: MetricsSection = MetricsSection()
     mesh: MeshSection = MeshSection()
+    plan: PlanSection = PlanSection()
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples

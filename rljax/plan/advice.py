@@ -1,0 +1,157 @@
+"""Does the plan fit, and if not, which setting to change: re-plan with one change at a time.
+
+Candidates, in the order tried (each alone, then all together):
+
+    update.num_microbatches x2, x4, ...   the update's activations scale with the micro-batch rows;
+                                          stops while each micro-batch still has a row per device
+    update.remat = true                   layer activations recomputed in the backward pass
+    mesh: every device on fsdp            params, optimiser state and reference split further
+    update.logprob_chunk = chunk / 4      the [rows, chunk, vocab] logits of the scoring pass
+
+The first candidate whose plan fits is the advice; when none fits, the smallest plan is named.
+Update-only candidates recompile only the update program (the sampler's is reused). When the base
+plan compiled the one-program iteration, a candidate's peak is its stage peak plus what the one
+program held beyond the base's stages (`MemoryPlan.peak_bytes` minus the stage formula), so each
+candidate costs one or two compiles instead of three.
+
+When the train state alone exceeds the device memory, no program is compiled: only a larger FSDP
+axis changes the state, and its bytes are computed from shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from rljax.errors import ConfigError
+from rljax.models import ModelConfig
+from rljax.plan.accelerators import format_gib
+from rljax.plan.memory import MemoryPlan, plan_memory, prompt_width, state_memory
+from rljax.sharding import MeshConfig
+from rljax.train import setup
+from rljax.train.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    setting: str  # as `key=value` overrides, e.g. "update.num_microbatches=16"
+    cfg: TrainConfig
+    update_only: bool  # leaves the state and the sampler program as they are
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """A plan checked against `limit_bytes` per device of `device` (a name for the message)."""
+
+    device: str
+    limit_bytes: int
+    estimate_bytes: int
+    stage: str  # what binds: "the train state", "the update step", "sampling", "the iteration"
+    setting: str | None = None  # the first change that fits (or the smallest, when none does)
+    setting_bytes: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate_bytes <= self.limit_bytes
+
+    def line(self) -> str:
+        """One line: the device memory, the estimate, the setting to change."""
+        head = (f"the plan needs {_gib(self.estimate_bytes)} per device ({self.stage}) but {self.device} has "
+                f"{_gib(self.limit_bytes)}")
+        if self.setting is None:
+            return f"{head}; no setting tried helps: use more devices, model.param_dtype=bfloat16 or a larger accelerator"
+        what = "train state" if self.stage == "the train state" else "plan"
+        if self.setting_bytes <= self.limit_bytes:
+            return f"{head}; set {self.setting} ({what}: {_gib(self.setting_bytes)})"
+        return (f"{head}; no setting tried fits, the smallest {what} is {_gib(self.setting_bytes)} with "
+                f"{self.setting}: use more devices, model.param_dtype=bfloat16 or a larger accelerator")
+
+
+def _gib(n: int) -> str:
+    return format_gib(n)
+
+
+def _with(cfg: TrainConfig, section: str, **changes) -> TrainConfig:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def _mesh_sizes(cfg: TrainConfig) -> tuple[int, int, int]:
+    import jax
+
+    n = cfg.mesh.devices or len(jax.devices())
+    return MeshConfig(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor).resolve(n)
+
+
+def candidates(cfg: TrainConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
+    """The changes tried, in order (see the module docstring); the last combines them."""
+    u = cfg.update
+    data, fsdp, tensor = _mesh_sizes(cfg)
+    rows = cfg.rl.prompts_per_iteration * cfg.sampling.num_samples // u.num_minibatches
+    micro, best = u.num_microbatches * 2, None
+    while rows % micro == 0 and rows // micro >= data * fsdp:
+        best = micro
+        yield Candidate(f"update.num_microbatches={micro}", _with(cfg, "update", num_microbatches=micro), True)
+        micro *= 2
+    if not u.remat:
+        yield Candidate("update.remat=true", _with(cfg, "update", remat=True), True)
+    if data > 1:
+        yield Candidate(f"mesh.data=1 mesh.fsdp={data * fsdp}", _with(cfg, "mesh", data=1, fsdp=data * fsdp), False)
+    time = prompt_width(cfg) + cfg.sampling.max_new_tokens - 1
+    chunks = u.chunk_for(rows // u.num_microbatches, time, model_cfg.vocab_size)
+    chunk = min(getattr(chunks, "time", chunks) or time, time)  # the time steps per scoring chunk
+    if chunk > 1:
+        yield Candidate(f"update.logprob_chunk={max(1, chunk // 4)}",
+                        _with(cfg, "update", logprob_chunk=max(1, chunk // 4)), True)
+    combined = _with(cfg, "update", remat=True, num_microbatches=best or u.num_microbatches)
+    setting = "update.remat=true" + (f" update.num_microbatches={best}" if best else "")
+    if data > 1:
+        combined, setting = _with(combined, "mesh", data=1, fsdp=data * fsdp), setting + f" mesh.data=1 mesh.fsdp={data * fsdp}"
+    yield Candidate(setting, combined, data == 1)
+
+
+def advise(cfg: TrainConfig, limit_bytes: int, device: str, *, model_cfg: ModelConfig | None = None,
+           tokenizer=None, plan: MemoryPlan | None = None) -> Advice:
+    """Checks `cfg`'s plan against `limit_bytes` per device; when it does not fit, re-plans with
+    each candidate change and names the first that fits (or the smallest)."""
+    if model_cfg is None:
+        tokenizer = tokenizer or setup.build_tokenizer(cfg.model)
+        model_cfg = setup.policy_config(cfg.model, tokenizer)
+    state = state_memory(cfg, model_cfg, tokenizer=tokenizer) if plan is None else plan.state
+    if state.total_bytes > limit_bytes:  # nothing compiled: only a larger FSDP axis shrinks the state
+        best = None
+        for cand in candidates(cfg, model_cfg):
+            if not cand.update_only:
+                size = state_memory(cand.cfg, model_cfg, tokenizer=tokenizer).total_bytes
+                if best is None or size < best[1]:
+                    best = (cand.setting, size)
+        return Advice(device, limit_bytes, state.total_bytes, "the train state",
+                      *(best if best and best[1] < state.total_bytes else (None, None)))
+    plan = plan or plan_memory(cfg, model_cfg, tokenizer=tokenizer)
+    stage = "the iteration" if plan.iteration is not None else \
+        ("the update step" if plan.peak_stage == "update" else "sampling")
+    if plan.peak_bytes <= limit_bytes:
+        return Advice(device, limit_bytes, plan.peak_bytes, stage)
+    excess = plan.peak_bytes - max(plan.update_peak_bytes, plan.sampler_peak_bytes)
+    sampler_bound = plan.sampler_peak_bytes > limit_bytes
+    best = None
+    for cand in candidates(cfg, model_cfg):
+        if cand.update_only and sampler_bound:
+            continue  # leaves the sampler's peak as it is
+        c = plan_memory(cand.cfg, model_cfg, tokenizer=tokenizer, one_program=False,
+                        sampler=plan.sampler if cand.update_only else None)
+        size = max(c.update_peak_bytes, c.sampler_peak_bytes) + excess
+        if size <= limit_bytes:
+            return Advice(device, limit_bytes, plan.peak_bytes, stage, cand.setting, size)
+        if best is None or size < best[1]:
+            best = (cand.setting, size)
+    return Advice(device, limit_bytes, plan.peak_bytes, stage,
+                  *(best if best and best[1] < plan.peak_bytes else (None, None)))
+
+
+def check_fits(cfg: TrainConfig, limit_bytes: int, device: str, *, model_cfg: ModelConfig | None = None,
+               tokenizer=None, plan: MemoryPlan | None = None) -> Advice:
+    """`advise`, raising `ConfigError` with its one line when the plan does not fit."""
+    advice = advise(cfg, limit_bytes, device, model_cfg=model_cfg, tokenizer=tokenizer, plan=plan)
+    if not advice.fits:
+        raise ConfigError(advice.line())
+    return advice
