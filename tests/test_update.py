@@ -18,7 +18,7 @@ from rljax.objectives.advantages import dense_rewards
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig
 from rljax.update import (RolloutBatch, TrainState, UpdateConfig, init_train_state, prepare_batch,
-                          reset_reference, update, update_step)
+                          reset_reference, update_step)
 
 CFG = preset("qwen2-test")
 PROMPT = 5
@@ -367,32 +367,6 @@ def test_update_config_rejects_bad_schedules():
     with pytest.raises(ConfigError, match="update.num_epochs=0"):
         UpdateConfig(num_epochs=0)
     assert dataclasses.replace(UpdateConfig(), num_minibatches=2).chunks == 2
-
-
-def test_vocabulary_projection_is_chunked_automatically_with_bounded_memory():
-    """With a 151,936-id vocabulary the update step scores in time chunks chosen from the shapes
-    (`auto_chunk_size`), so its compiled temporary memory is at most a quarter of the unchunked
-    program's at the same shapes (from `memory_analysis` on abstract inputs: nothing allocated).
-    Chunked and unchunked updates give the same metrics and params (f32, 1e-6 relative)."""
-    from rljax.models import auto_chunk_size
-
-    assert auto_chunk_size(64, 1024, 17) is None  # the toy vocabulary is never chunked
-    assert auto_chunk_size(64, 768, 151_936) == 2  # 2 x 4 B x 64 x 151,936 x 2 steps <= 256 MiB
-    cfg = preset("qwen2-test", vocab_size=151_936, num_layers=1)
-    b, t = 8, 128
-    batch = jax.ShapeDtypeStruct
-    abstract = RolloutBatch(tokens_bt=batch((b, t), jnp.int32), attn_mask_bt=batch((b, t), bool),
-                            loss_mask_bt=batch((b, t), bool), sampler_logp_bt=batch((b, t), jnp.float32),
-                            rewards_b=batch((b,), jnp.float32), group_ids_b=batch((b,), jnp.int32),
-                            completion_len=t // 2)
-    temps = {}
-    for name, chunk in (("auto", None), ("unchunked", t)):
-        state = jax.eval_shape(lambda: init_train_state(
-            cfg, init_params(cfg, jax.random.key(0)), AlgorithmConfig(algorithm="grpo", entropy_coef=0.01),
-            OptimConfig(), update_cfg=UpdateConfig(logprob_chunk=chunk)))
-        compiled = jax.jit(update).lower(state, abstract, jax.random.key(0)).compile()
-        temps[name] = compiled.memory_analysis().temp_size_in_bytes
-    assert temps["auto"] * 4 <= temps["unchunked"], temps
 
 
 def test_chunked_scoring_matches_and_entropy_is_skipped_when_unused():

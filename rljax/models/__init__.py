@@ -2,8 +2,8 @@
 
 from rljax.models.config import ModelConfig, from_hf_dict, preset, to_hf_dict
 from rljax.models.hf_io import load_hf, read_hf_config, save_hf
-from rljax.models.scoring import (LOGITS_BUDGET_BYTES, auto_chunk_size, init_value_params, logprobs_from_logits,
-                                  token_logprobs, values)
+from rljax.models.scoring import (LOGITS_BUDGET_BYTES, LogprobChunks, auto_chunk_size, fused_logprobs,
+                                  init_value_params, logprobs_from_logits, output_embedding, token_logprobs, values)
 from rljax.models.transformer import (CACHE_SLOT_AXIS, default_positions, forward, hidden_states, init_cache,
                                      init_params, logits_from_hidden, rope_table, unstack_layers)
 
@@ -11,5 +11,6 @@ __all__ = [
     "ModelConfig", "preset", "from_hf_dict", "to_hf_dict", "load_hf", "save_hf", "read_hf_config",
     "forward", "hidden_states", "logits_from_hidden", "init_params", "init_cache", "CACHE_SLOT_AXIS",
     "unstack_layers", "rope_table",
-    "default_positions", "token_logprobs", "auto_chunk_size", "LOGITS_BUDGET_BYTES", "logprobs_from_logits", "init_value_params", "values",
+    "default_positions", "token_logprobs", "fused_logprobs", "output_embedding", "auto_chunk_size", "LogprobChunks",
+    "LOGITS_BUDGET_BYTES", "logprobs_from_logits", "init_value_params", "values",
 ]

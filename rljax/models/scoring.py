@@ -1,25 +1,33 @@
 """Scoring: per-token log-probs and entropy of given tokens, and the value model.
 
-The trainer and the sampler both score tokens through `logprobs_from_logits`, so a PPO ratio
-starts at 1 up to the rounding of two different forward passes (a KV-cached decode step against a
-full-sequence forward): small in f32, larger in bf16. The update step reports that gap every
+The trainer and the sampler both score tokens with the same formula on logits computed the same
+way (`logits_from_hidden`'s matmul, softcap, then z / T): the sampler through
+`logprobs_from_logits` on one [B, V] step, the trainer through `fused_logprobs`, which never holds
+[B, T, V]. A PPO ratio therefore starts at 1 up to the rounding of two different forward passes
+(a KV-cached decode step against a full-sequence forward, and a chunked logsumexp): small in f32,
+larger in bf16. The update step reports that gap every
 step (`logp_diff/first_abs_max`) instead of asserting it away.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from rljax.models.config import ModelConfig
-from rljax.models.transformer import Params, hidden_states, logits_from_hidden
+from rljax.models.transformer import Params, hidden_states
 
 
 def logprobs_from_logits(logits_btv, targets_bt, temperature: float = 1.0, with_entropy: bool = False):
     """log p(target) = z_target - logsumexp(z), with z = logits / temperature.
 
-    Entropy H = logsumexp(z) - sum_v softmax(z)_v z_v reuses the same logsumexp, so the
-    [B, T, V] log-softmax is never materialised (only one [B, T, V] probability array for H).
+    Entropy H = logsumexp(z) - sum_v softmax(z)_v z_v reuses the same logsumexp. This is the
+    sampler's form, for logits it already holds ([B, V] per decode step); whole sequences are
+    scored by `fused_logprobs`, the same formula in chunks.
     """
     z = logits_btv.astype(jnp.float32)
     if temperature != 1.0:
@@ -34,53 +42,272 @@ def logprobs_from_logits(logits_btv, targets_bt, temperature: float = 1.0, with_
     return logp_bt, entropy_bt
 
 
-# Bytes one time-chunk of the vocabulary projection may hold: its f32 logits and the softmax
-# the entropy (or the backward pass) needs, 2 x [B, chunk, V] x 4 bytes.
+# ----------------------------------------------------------------------------- chunk sizes
+
+# Bytes one chunk of the vocabulary projection may hold: its f32 logits and the f32 softmax (or
+# logit cotangent) computed from them, 2 x [rows, vocab chunk] x 4 bytes.
 LOGITS_BUDGET_BYTES = 256 << 20
+_BYTES_PER_LOGIT = 2 * 4
 
 
-def auto_chunk_size(batch: int, time: int, vocab: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int | None:
-    """The time-chunk for `token_logprobs(chunk_size=...)` chosen from the shapes: None when the
-    whole [B, T, V] projection (logits and softmax in f32) fits `budget_bytes`, else the largest
-    power of two of time steps whose chunk does (at least 1). A 151,936-id vocabulary at B = 64
-    rows takes 8 steps per chunk; a 17-symbol one is never chunked."""
-    per_step = 2 * 4 * batch * vocab
-    if per_step * time <= budget_bytes:
-        return None
-    steps = max(1, budget_bytes // per_step)
-    return 1 << (steps.bit_length() - 1)
+class LogprobChunks(NamedTuple):
+    """How `fused_logprobs` splits the vocabulary projection: `time` steps (of every row) per
+    token chunk and `vocab` ids per vocabulary chunk; a value >= the dimension is one chunk."""
+
+    time: int
+    vocab: int
+
+
+def auto_chunk_size(batch: int, time: int, vocab: int, budget_bytes: int = LOGITS_BUDGET_BYTES, *,
+                    time_chunk: int | None = None) -> LogprobChunks:
+    """The chunks of a [batch, time] scoring pass chosen from the shapes, so that one chunk's
+    f32 logits and softmax, 2 x 4 bytes x rows x vocabulary ids, fit `budget_bytes`.
+
+    Time first: the whole sequence if it fits, else the largest power of two of time steps that
+    does (at least 1); `time_chunk` overrides that choice (`update.logprob_chunk`). The vocabulary
+    is split only where that token chunk still does not fit (B rows x 1 step x V over budget, or
+    a large override), into the fewest power-of-two number of chunks that fit: a power of two
+    divides real vocabularies (151,936 = 2^7 x 1187) without padding. A 151,936-id vocabulary at
+    B = 64 rows takes 2 steps per chunk and the whole vocabulary; a 17-symbol one is one chunk.
+    """
+    per_step = _BYTES_PER_LOGIT * batch * vocab
+    if time_chunk is None:
+        steps = time if per_step * time <= budget_bytes else max(1, budget_bytes // per_step)
+        time_chunk = time if steps >= time else 1 << (steps.bit_length() - 1)
+    steps = max(1, min(time_chunk, time))
+    pieces = 1
+    while pieces < vocab and per_step * steps > budget_bytes * pieces:
+        pieces *= 2
+    return LogprobChunks(steps, -(-vocab // min(pieces, vocab)))
+
+
+# ----------------------------------------------------------------------------- fused scoring
+
+_NEG = -1e30  # logit of a padded vocabulary row: exp(_NEG - m) = 0, and 0 * _NEG stays finite
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    temperature: float
+    softcap: float | None
+    with_entropy: bool
+    time_chunk: int  # steps per token chunk (divides the padded time)
+    vocab_chunks: int  # number of strided vocabulary chunks (1: the whole vocabulary)
+
+
+def _to_chunks(x_bt, steps: int):
+    """[B, T, ...] -> [n, B, steps, ...], zero-padded in time; B stays whole (its sharding too)."""
+    b, t = x_bt.shape[:2]
+    x_bt = jnp.pad(x_bt, [(0, 0), (0, (-t) % steps)] + [(0, 0)] * (x_bt.ndim - 2))
+    return x_bt.reshape(b, -1, steps, *x_bt.shape[2:]).swapaxes(0, 1)
+
+
+def _from_chunks(x_nb, t: int):
+    """[n, B, steps, ...] -> [B, T, ...]: the inverse of `_to_chunks`."""
+    x_nb = x_nb.swapaxes(0, 1)
+    return x_nb.reshape(x_nb.shape[0], -1, *x_nb.shape[3:])[:, :t]
+
+
+def _vocab_view(w_vd, pieces: int):
+    """[V, D] -> [V / pieces, pieces, D] (zero rows padded): chunk j is rows j, j + pieces, ...
+
+    Strided, not contiguous: a V-sharded weight splits on the leading (within-chunk) dim of this
+    view, so every chunk is itself V-sharded and selecting one is a local slice, where a
+    contiguous chunk would live on one device and force a gather of the others' rows.
+    """
+    v, d = w_vd.shape
+    rows = -(-v // pieces)
+    return jnp.pad(w_vd, ((0, rows * pieces - v), (0, 0))).reshape(rows, pieces, d)
+
+
+def _block(plan: _Plan, h_rd, w_cd, ids_c, vocab: int):
+    """Softcapped logits s and scaled logits z = s / T of rows h against vocabulary rows w,
+    [R, C] f32: h @ w^T in the compute dtype accumulated in f32, as `logits_from_hidden`."""
+    s = jax.lax.dot_general(h_rd, w_cd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if plan.softcap is not None:
+        s = jnp.tanh(s / plan.softcap) * plan.softcap
+    z = s / plan.temperature if plan.temperature != 1.0 else s
+    if ids_c is not None and plan.vocab_chunks * w_cd.shape[0] > vocab:
+        z = jnp.where(ids_c < vocab, z, _NEG)
+    return s, z
+
+
+def _chunk_ids(plan: _Plan, rows: int, j):
+    return None if plan.vocab_chunks == 1 else jnp.arange(rows) * plan.vocab_chunks + j
+
+
+def _forward_rows(plan: _Plan, h_rd, w_view, tgt_r, vocab: int):
+    """(log p(target), logsumexp, entropy) of R rows: an online logsumexp over vocabulary chunks
+    (Milakov & Gimelshein, 2018) carrying the running max m, sum e = exp(z - m), sum e * z (for
+    H = lse - sum e z / sum e) and the target's logit."""
+    def stats(j, carry):
+        m, se, sez, zt = carry
+        w_cd = w_view if plan.vocab_chunks == 1 else jax.lax.dynamic_index_in_dim(w_view, j, 1, keepdims=False)
+        ids = _chunk_ids(plan, w_cd.shape[0], j)
+        _, z = _block(plan, h_rd, w_cd, ids, vocab)
+        m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+        e = jnp.exp(z - m_new[:, None])
+        scale = jnp.exp(m - m_new)
+        ids = jnp.arange(z.shape[1]) if ids is None else ids
+        zt = zt + jnp.sum(jnp.where(ids[None] == tgt_r[:, None], z, 0.0), axis=-1)
+        sez = sez * scale + jnp.sum(e * z, axis=-1) if plan.with_entropy else sez
+        return m_new, se * scale + jnp.sum(e, axis=-1), sez, zt
+
+    r = h_rd.shape[0]
+    init = (jnp.full((r,), _NEG, jnp.float32),) + (jnp.zeros((r,), jnp.float32),) * 3
+    if plan.vocab_chunks == 1:
+        m, se, sez, zt = stats(0, init)
+    else:
+        m, se, sez, zt = jax.lax.fori_loop(0, plan.vocab_chunks, stats, init)
+    lse = m + jnp.log(se)
+    ent = lse - sez / se if plan.with_entropy else jnp.zeros_like(lse)
+    return zt - lse, lse, ent
+
+
+def _backward_rows(plan: _Plan, h_rd, w_view, tgt_r, lse_r, ent_r, g_logp_r, g_ent_r, dw_acc, vocab: int):
+    """dh of R rows (f32) and dW accumulated into `dw_acc` (f32, the view's layout), from each
+    chunk's recomputed logits:
+
+        dL/dz_v = g_logp (1[v = target] - p_v) - g_H p_v (z_v - lse + H)
+        dL/ds_v = dL/dz_v / T,   dL/draw_v = dL/ds_v (1 - (s_v / c)^2)  (softcap s = c tanh(raw / c))
+        dh = dL/draw @ W,   dW += dL/draw^T @ h   (operands in the compute dtype, f32 accumulation)
+    """
+    cdt = h_rd.dtype
+
+    def grads(j, carry):
+        dh, dw = carry
+        w_cd = w_view if plan.vocab_chunks == 1 else jax.lax.dynamic_index_in_dim(w_view, j, 1, keepdims=False)
+        ids = _chunk_ids(plan, w_cd.shape[0], j)
+        s, z = _block(plan, h_rd, w_cd, ids, vocab)
+        p = jnp.exp(z - lse_r[:, None])
+        coef = g_logp_r[:, None]
+        if plan.with_entropy:
+            coef = coef + g_ent_r[:, None] * (z - (lse_r - ent_r)[:, None])
+        ids = jnp.arange(z.shape[1]) if ids is None else ids
+        dz = jnp.where(ids[None] == tgt_r[:, None], g_logp_r[:, None], 0.0) - p * coef
+        if plan.temperature != 1.0:
+            dz = dz / plan.temperature
+        if plan.softcap is not None:
+            dz = dz * (1.0 - jnp.square(s / plan.softcap))
+        dz = dz.astype(cdt)
+        dh = dh + jax.lax.dot_general(dz, w_cd, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        dw_c = jax.lax.dot_general(dz, h_rd, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if plan.vocab_chunks == 1:
+            return dh, dw + dw_c
+        return dh, jax.lax.dynamic_update_index_in_dim(dw, jax.lax.dynamic_index_in_dim(dw, j, 1) + dw_c[:, None],
+                                                       j, 1)
+
+    init = (jnp.zeros(h_rd.shape, jnp.float32), dw_acc)
+    if plan.vocab_chunks == 1:
+        return grads(0, init)
+    return jax.lax.fori_loop(0, plan.vocab_chunks, grads, init)
+
+
+def _prepare(plan: _Plan, h_btd, w_vd):
+    w = w_vd.astype(h_btd.dtype)  # matmul operands in the compute dtype, as logits_from_hidden
+    return w if plan.vocab_chunks == 1 else _vocab_view(w, plan.vocab_chunks)
+
+
+def _rows(x_btk):
+    return x_btk.reshape(-1, *x_btk.shape[2:])
+
+
+def _fused_fwd(h_btd, w_vd, targets_bt, plan: _Plan):
+    b, t, _ = h_btd.shape
+    w_view = _prepare(plan, h_btd, w_vd)
+
+    def chunk(xs):
+        h_c, tgt_c = xs
+        outs = _forward_rows(plan, _rows(h_c), w_view, _rows(tgt_c), w_vd.shape[0])
+        return tuple(o.reshape(b, -1) for o in outs)
+
+    xs = (_to_chunks(h_btd, plan.time_chunk), _to_chunks(targets_bt, plan.time_chunk))
+    logp, lse, ent = (_from_chunks(o, t) for o in jax.lax.map(chunk, xs))
+    out = (logp, ent) if plan.with_entropy else (logp,)
+    return out, (h_btd, w_vd, targets_bt, lse, ent if plan.with_entropy else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused(h_btd, w_vd, targets_bt, plan: _Plan):
+    return _fused_fwd(h_btd, w_vd, targets_bt, plan)[0]
+
+
+def _fused_bwd(plan: _Plan, residuals, cotangents):
+    h_btd, w_vd, targets_bt, lse_bt, ent_bt = residuals
+    g_logp_bt = cotangents[0]
+    g_ent_bt = cotangents[1] if plan.with_entropy else jnp.zeros_like(g_logp_bt)
+    ent_bt = jnp.zeros_like(lse_bt) if ent_bt is None else ent_bt
+    b, t, d = h_btd.shape
+    w_view = _prepare(plan, h_btd, w_vd)
+
+    def chunk(dw, xs):
+        h_c, tgt_c, lse_c, ent_c, gl_c, ge_c = xs
+        dh, dw = _backward_rows(plan, _rows(h_c), w_view, *(_rows(x) for x in (tgt_c, lse_c, ent_c, gl_c, ge_c)),
+                                dw, w_vd.shape[0])
+        return dw, dh.astype(h_btd.dtype).reshape(b, -1, d)
+
+    xs = tuple(_to_chunks(x, plan.time_chunk) for x in (h_btd, targets_bt, lse_bt, ent_bt, g_logp_bt, g_ent_bt))
+    dw, dh = jax.lax.scan(chunk, jnp.zeros(w_view.shape, jnp.float32), xs)
+    dw = dw.reshape(-1, d)[:w_vd.shape[0]].astype(w_vd.dtype)
+    return _from_chunks(dh, t), dw, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_logprobs(h_btd, w_vd, targets_bt, *, temperature: float = 1.0, softcap: float | None = None,
+                   with_entropy: bool = False, time_chunk: int | None = None, vocab_chunk: int | None = None):
+    """log p(target) and entropy of the softmax of z = c tanh((h @ W^T) / c) / T, never holding
+    more than one [B, time_chunk, vocab_chunk] block of logits, forward or backward.
+
+    h_btd: final hidden states [B, T, D] (the compute dtype); w_vd: the output embedding [V, D];
+    targets_bt: ids [B, T]. Returns (logp_bt, entropy_bt or None), f32. c is Gemma 2's
+    `final_logit_softcap` (None: no cap), T the sampling temperature.
+
+    The approach of fused linear cross-entropy kernels (Liger Kernel, Hsu et al., 2024; Cut
+    Cross-Entropy, Wijmans et al., 2024): a custom VJP whose residuals are h, W, the targets,
+    logsumexp and entropy (O(B T), never O(B T V)), and whose backward pass recomputes each
+    chunk's logits to form dL/dlogits = g (onehot - p) - g_H p (z - lse + H) in place, so
+    autodiff never stores the [B, T, V] softmax. Chunks run in `lax.map`/`lax.scan` over time
+    (each chunk keeps every row, so a batch-sharded h stays sharded) and, when `vocab_chunk` is
+    set, an online logsumexp over strided vocabulary chunks (see `_vocab_view`: a V-sharded W
+    stays sharded; a D-sharded W contracts over its sharded dim as the unchunked matmul does).
+    dW accumulates in f32 over chunks and is cast to W's dtype once.
+    """
+    b, t, _ = h_btd.shape
+    v = w_vd.shape[0]
+    if t == 0:
+        empty = jnp.zeros((b, 0), jnp.float32)
+        return empty, (empty if with_entropy else None)
+    steps = t if time_chunk is None else max(1, min(time_chunk, t))
+    pieces = 1 if vocab_chunk is None else -(-v // max(1, min(vocab_chunk, v)))
+    plan = _Plan(float(temperature), None if softcap is None else float(softcap), bool(with_entropy), steps, pieces)
+    out = _fused(h_btd, w_vd, targets_bt.astype(jnp.int32), plan)
+    return (out[0], out[1]) if with_entropy else (out[0], None)
+
+
+def output_embedding(cfg: ModelConfig, params: Params):
+    """The [V, D] matrix the logits are computed against: the tied embedding or the LM head."""
+    return params["embed"] if cfg.tie_embeddings else params["lm_head"]
 
 
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_size: int | None = None,
-                   remat: bool = False, unroll: bool = False):
+                   vocab_chunk: int | None = None, remat: bool = False, unroll: bool = False):
     """Log-prob of each token given its prefix, aligned with `tokens_bt`.
 
     Returns (logp_bt, entropy_bt or None), both [B, T] f32. Column t scores tokens[:, t] under the
-    distribution predicted at t - 1; column 0 has no prefix and is 0. `chunk_size` computes the
-    vocabulary projection in time chunks (with rematerialisation) so a large vocabulary never
-    holds a full [B, T, V] array. `remat` and `unroll` go to `hidden_states`.
+    distribution predicted at t - 1; column 0 has no prefix and is 0. The vocabulary projection
+    is `fused_logprobs`, chunked by `auto_chunk_size` from the shapes; `chunk_size` (time steps)
+    and `vocab_chunk` (vocabulary ids) override its choice (a value >= the dimension: one chunk).
+    `remat` and `unroll` go to `hidden_states`.
     """
     h_btd, _ = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll)
-    h_btd = h_btd[:, :-1]
     targets_bt = tokens_bt[:, 1:]
-
-    def score(h, tgt):
-        return logprobs_from_logits(logits_from_hidden(cfg, params, h), tgt, temperature, with_entropy)
-
-    t = h_btd.shape[1]
-    if chunk_size is None or chunk_size >= t:
-        logp, ent = score(h_btd, targets_bt)
-    else:
-        pad = (-t) % chunk_size
-        h_p = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
-        tg_p = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-        n = (t + pad) // chunk_size
-        h_c = h_p.reshape(h_p.shape[0], n, chunk_size, -1).swapaxes(0, 1)
-        tg_c = tg_p.reshape(tg_p.shape[0], n, chunk_size).swapaxes(0, 1)
-        logp, ent = jax.lax.map(lambda xs: jax.checkpoint(score)(*xs), (h_c, tg_c))
-        logp = logp.swapaxes(0, 1).reshape(tokens_bt.shape[0], -1)[:, :t]
-        ent = None if ent is None else ent.swapaxes(0, 1).reshape(tokens_bt.shape[0], -1)[:, :t]
+    chunks = auto_chunk_size(*targets_bt.shape, cfg.vocab_size, time_chunk=chunk_size)
+    logp, ent = fused_logprobs(h_btd[:, :-1], output_embedding(cfg, params), targets_bt, temperature=temperature,
+                               softcap=cfg.final_logit_softcap, with_entropy=with_entropy, time_chunk=chunks.time,
+                               vocab_chunk=chunks.vocab if vocab_chunk is None else vocab_chunk)
     zero = jnp.zeros_like(logp[:, :1])
     logp = jnp.concatenate([zero, logp], axis=1)
     if ent is not None:

@@ -21,7 +21,7 @@ import optax
 from rljax.data.example import Example
 from rljax.data.templates import PromptFormat, encode_prompts
 from rljax.errors import DataError
-from rljax.models import ModelConfig, auto_chunk_size, token_logprobs
+from rljax.models import ModelConfig, token_logprobs
 from rljax.tokenizers import pad_batch
 
 
@@ -69,8 +69,7 @@ def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
     """A jitted SFT step: (params, opt_state, tokens, attn_mask, loss_mask) -> (params, opt_state, nll)."""
 
     def loss_fn(params, tokens_bt, attn_bt, loss_bt):
-        chunk = auto_chunk_size(*tokens_bt.shape, cfg.vocab_size)  # bounded [B, T, V] memory
-        logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt, chunk_size=chunk)
+        logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt)  # chunked from the shapes: bounded memory
         w = loss_bt.astype(jnp.float32)
         return -jnp.sum(logp_bt * w) / jnp.maximum(w.sum(), 1.0)
 

@@ -135,11 +135,11 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     chunks = schedule.chunks
     toks, attn = batch.tokens_bt, batch.attn_mask_bt
 
-    vocab_chunk = schedule.chunk_for(toks.shape[0] // chunks, toks.shape[1], cfg.vocab_size)
+    lp_chunks = schedule.chunk_for(toks.shape[0] // chunks, toks.shape[1], cfg.vocab_size)
 
     def score(params):
-        return sg(_chunked(lambda t, a: token_logprobs(cfg, params, t, a, chunk_size=vocab_chunk)[0], chunks,
-                           toks, attn))
+        return sg(_chunked(lambda t, a: token_logprobs(cfg, params, t, a, chunk_size=lp_chunks.time,
+                                                       vocab_chunk=lp_chunks.vocab)[0], chunks, toks, attn))
 
     sampler_logp = batch.sampler_logp_bt.astype(f32)
     old_logp, is_w = sampler_logp, jnp.ones_like(mask)

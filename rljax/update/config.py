@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rljax.errors import ConfigError
-from rljax.models import auto_chunk_size
+from rljax.models import LogprobChunks, auto_chunk_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +40,10 @@ class UpdateConfig:
         if self.logprob_chunk is not None and self.logprob_chunk < 1:
             raise ConfigError(f"update.logprob_chunk={self.logprob_chunk} must be >= 1 (or unset: automatic)")
 
-    def chunk_for(self, batch: int, time: int, vocab: int) -> int | None:
-        """The vocabulary-projection time-chunk for a [batch, time] scoring pass."""
-        return self.logprob_chunk or auto_chunk_size(batch, time, vocab)
+    def chunk_for(self, batch: int, time: int, vocab: int) -> LogprobChunks:
+        """The vocabulary-projection chunks (time steps, vocabulary ids) of a [batch, time] scoring
+        pass: `logprob_chunk` or the automatic time chunk, then the vocabulary split it needs."""
+        return auto_chunk_size(batch, time, vocab, time_chunk=self.logprob_chunk)
 
     @property
     def chunks(self) -> int:

@@ -44,8 +44,9 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy
+    lp_chunks = update_cfg.chunk_for(b, t, cfg.vocab_size)
     logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
-                               chunk_size=update_cfg.chunk_for(b, t, cfg.vocab_size), remat=update_cfg.remat,
+                               chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
                                unroll=update_cfg.unroll_layers)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
         logp, batch.old_logp_bt, batch.advantages_bt, m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
