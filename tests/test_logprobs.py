@@ -195,6 +195,33 @@ def test_token_logprobs_gradients_through_the_model_equal_unchunked():
         _close_to_scale(a, b, 1e-6, jax.tree_util.keystr(path))
 
 
+def test_vocabulary_chunks_of_a_vocab_sharded_weight_need_no_gather():
+    """Under tensor parallelism the [V, D] weight is split on V (`rljax.sharding` rules). Strided
+    vocabulary chunks (ids j, j + n, j + 2n, ...) keep every chunk split the same way, so the
+    compiled gradient (8 simulated devices, data 2 x tensor 4) has no all-gather: each device
+    reduces its own rows and only [rows] statistics and [rows, D] partial dh are all-reduced.
+
+    Catches: contiguous vocabulary chunks, which live on one device each and make XLA all-gather
+    the whole weight in the forward and the backward pass (checked when this was written)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rljax import sharding
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=1, tensor=4))
+    s = jax.ShapeDtypeStruct
+
+    def loss(h, w, tgt):
+        lp, ent = fused_logprobs(h, w, tgt, with_entropy=True, time_chunk=8, vocab_chunk=1024)
+        return jnp.sum(lp) + jnp.sum(ent)
+
+    shardings = tuple(NamedSharding(mesh, spec) for spec in (P("data"), P("tensor", None), P("data")))
+    hlo = jax.jit(jax.grad(loss, (0, 1)), in_shardings=shardings).lower(
+        s((4, 16, 32), jnp.float32), s((4096, 32), jnp.float32), s((4, 16), jnp.int32)).compile().as_text()
+    assert "all-reduce(" in hlo  # it is partitioned
+    assert "all-gather(" not in hlo
+
+
 def test_auto_chunk_size_follows_the_budget():
     """Chunks from the shapes: the whole projection when 2 x 4 B x B x T x V fits 256 MiB, else
     the largest power-of-two time chunk that fits, and a power-of-two vocabulary split only when
