@@ -97,8 +97,7 @@ def candidates(cfg: TrainConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
     if data > 1:
         yield Candidate(f"mesh.data=1 mesh.fsdp={data * fsdp}", _with(cfg, "mesh", data=1, fsdp=data * fsdp), False)
     time = prompt_width(cfg) + cfg.sampling.max_new_tokens - 1
-    chunks = u.chunk_for(rows // u.num_microbatches, time, model_cfg.vocab_size)
-    chunk = min(getattr(chunks, "time", chunks) or time, time)  # the time steps per scoring chunk
+    chunk = min(u.chunk_for(rows // u.num_microbatches, time, model_cfg.vocab_size).time, time)  # steps per chunk
     if chunk > 1:
         yield Candidate(f"update.logprob_chunk={max(1, chunk // 4)}",
                         _with(cfg, "update", logprob_chunk=max(1, chunk // 4)), True)
