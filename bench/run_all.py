@@ -25,6 +25,7 @@ SCRIPTS = [
     ("iteration", ["bench_iteration.py", "--iterations", "6"]),
     ("scaling", ["bench_scaling.py", "--repeats", "2"]),
     ("rewards", ["bench_rewards.py"]),
+    ("real_shapes", ["bench_real_shapes.py"]),
 ]
 
 
@@ -119,11 +120,53 @@ def build_table() -> str:
             pool = next(v for k, v in rw["runs"].items() if k.startswith(name + "/pool"))
             lines.append(_row(name, rw["runs"][f"{name}/serial"]["verifications_per_s"], pool["verifications_per_s"]))
         lines.append("")
+    rs = _load("real_shapes")
+    if rs:
+        lines += real_shapes_section(rs)
     lines += ["No GPU was lent to the session that produced these numbers, so GPU MFU and decode HBM "
               "bandwidth utilisation are not reported here; `bench_scaling.py --peak-tflops` and "
               "`bench_sampling.py` (its decode share of bandwidth, over the HBM bandwidth it measures) "
               "report them when run on an accelerator.", ""]
     return "\n".join(lines)
+
+
+def real_shapes_section(rs: dict) -> list[str]:
+    """The table of `bench_real_shapes.py`: one GRPO iteration at Qwen2.5-0.5B's shapes."""
+    st, t, mem, rss, peer = rs["setup"], rs["times_s"], rs["compiled_mib"], rs["peak_rss_mib"], rs.get("peer")
+    v = rs["versions"]
+    lines = ["## Real shapes: Qwen2.5-0.5B on CPU", "",
+             f"{rs['date']}, {rs['machine']['cpus']} CPUs ({rs['machine'].get('cpu_model') or 'model not recorded'}), "
+             f"jax {v['jax']}, torch {v.get('torch')}, transformers {v.get('transformers')}; measured matmul peak "
+             f"f32 {rs['matmul_peak_gflops']['float32']} / bf16 {rs['matmul_peak_gflops']['bfloat16']} GFLOP/s. "
+             f"{st['model']}: {st['params']:,} params, {st['param_dtype']} params, {st['compute_dtype']} compute, "
+             f"{st['algorithm']}, {st['micro_batches']} micro-batches; {st['prompts']} prompts x "
+             f"{st['samples_per_prompt']} samples x {st['new_tokens']} new tokens, prompts "
+             f"{st['prompt_tokens_min_max'][0]}-{st['prompt_tokens_min_max'][1]} tokens (chat template) padded to "
+             f"{st['prompt_bucket']}: {st['rows']} rows x {st['seq_len']} tokens. Phases compiled and run one by one "
+             f"(`bench/bench_real_shapes.py`).", "",
+             _row("phase", "seconds", "rate", "peak RSS after it"), _row("---", "---", "---", "---"),
+             _row("random init + train state", t["init"], "", f"{rss['model_and_state']:,.0f} MiB"),
+             _row("compile sampler", t["compile_sample"], "", ""),
+             _row("sample", t["sample"], f"{rs['sample_new_tok_s']} new tok/s", f"{rss['sample']:,.0f} MiB"),
+             _row("verify (math)", t["reward"], f"first call {t.get('reward_first_call', '-')} s (starts the pool)",
+                  ""),
+             _row("compile update", t["compile_update"], "", ""),
+             _row("update", t["update"], f"{rs['update_gflops']} GFLOP/s ({rs['update_frac_of_bf16_peak']:.0%} of "
+                                         f"bf16 peak)", f"{rss['update']:,.0f} MiB")]
+    if peer:
+        lines.append(_row("peer: transformers fwd + bwd, torch bf16", peer["fwd_bwd_s"],
+                          f"rljax update / peer = {rs['update_over_peer_fwd_bwd']}x",
+                          f"{peer['peak_rss_mib']:,.0f} MiB (own process)"))
+    u, un = mem["update"], mem["update_unchunked"]
+    lines += ["", _row("update program (per device, MiB)", "arguments", "temporaries", "peak (args + out - aliased "
+                       "+ temp)"), _row("---", "---", "---", "---"),
+              _row(f"compiled, vocabulary chunks {st['logprob_chunks']['time']} steps x "
+                   f"{st['logprob_chunks']['vocab']:,} ids", u["argument"], u["temp"], u["peak"]),
+              _row("same update unchunked (abstract inputs)", un["argument"], un["temp"], un["peak"]), "",
+              f"Peak RSS of the whole process: {rss['end']:,.0f} MiB ({rss['start']:,.0f} MiB at start); the "
+              f"compiled update alone estimates {u['peak']:,.0f} MiB (one device). Unchunked over chunked update "
+              f"temporaries: {rs['unchunked_over_chunked_update_temp']}x.", ""]
+    return lines
 
 
 def main() -> None:
