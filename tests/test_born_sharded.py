@@ -17,7 +17,7 @@ from rljax.models import ModelConfig, init_params, load_hf, save_hf
 from rljax.models import hf_io
 from rljax.objectives.config import AlgorithmConfig
 from rljax.optim import OptimConfig
-from rljax.train import loop, setup
+from rljax.train import loop
 from rljax.train.config import load_config
 from rljax.update import init_train_state
 from test_train import TINY
@@ -189,15 +189,16 @@ def test_load_hf_allocates_host_buffers_leaf_by_leaf(layout, hf_dir, monkeypatch
 
 
 def test_train_state_born_sharded_equals_unsharded_state(layout, monkeypatch):
-    """init_train_state(layout=...) for PPO with a KL term, on params born by `init_params`: reference copy, value model and Adam
-    moments come out in `layout.tree` of the state, each device holding only its shards, with the
-    unsharded state's values; the params pass through untouched (the same arrays, no copy).
+    """init_train_state(layout=...) for PPO with a KL term, on params born by `init_params`:
+    reference copy, value model and Adam moments come out in `layout.tree` of the state, each
+    device holding only its shards, with the unsharded state's values; the params pass through
+    untouched (the same arrays, no copy).
     Catches: building the state next to params and placing it afterwards (moments on one device:
     wrong sharding, or a recorded `jax.device_put`), a reference that is the params themselves
     rather than a copy, and a value head or moments that differ from the eager construction."""
     cfg = _CFG
     key = jax.random.key(1)
-    params = init_params(cfg, key, shardings=_param_shardings(layout, cfg))  # compiled in the first test
+    params = init_params(cfg, key, shardings=_param_shardings(layout, cfg))
     transfers = _Transfers(monkeypatch)
     state = init_train_state(cfg, params, _PPO, OptimConfig(), layout=layout)
     assert transfers.puts == []
