@@ -78,7 +78,7 @@ def accelerator(name: str) -> Accelerator:
 
 def device_memory(accelerator_name: str | None = None, memory_gib: float = 0.0) -> tuple[int, str] | None:
     """(bytes per device, a name for messages) to check a plan against: `memory_gib` when > 0,
-    else the named accelerator's, else what the first device reports (`bytes_limit`, on GPU and
+    else the named accelerator's, else what this process's first device reports (`bytes_limit`, on GPU and
     TPU); None when none is known (CPU)."""
     if memory_gib > 0:
         return int(memory_gib * GIB), f"the configured device ({memory_gib:g} GiB)"
@@ -87,6 +87,6 @@ def device_memory(accelerator_name: str | None = None, memory_gib: float = 0.0) 
         return acc.memory_bytes, acc.name
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    return (int(limit), f"{jax.devices()[0].device_kind}") if limit else None
+    device = jax.local_devices()[0]  # in a multi-process run, jax.devices()[0] may be another process's
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return (int(limit), device.device_kind) if limit else None
