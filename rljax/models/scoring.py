@@ -221,11 +221,9 @@ def _fused_fwd(h_btd, w_vd, targets_bt, plan: _Plan):
         outs = _forward_rows(plan, _rows(h_c), w_view, _rows(tgt_c), w_vd.shape[0])
         return tuple(o.reshape(b, -1) for o in outs)
 
-    if plan.time_chunk >= t:  # one chunk: no loop, no padding (XLA fuses across it)
-        logp, lse, ent = chunk((h_btd, targets_bt))
-    else:
-        xs = (_to_chunks(h_btd, plan.time_chunk), _to_chunks(targets_bt, plan.time_chunk))
-        logp, lse, ent = (_from_chunks(o, t) for o in jax.lax.map(chunk, xs))
+    # One chunk still runs in the loop: unrolled, XLA kept a third [rows, V] block alive at once.
+    xs = (_to_chunks(h_btd, plan.time_chunk), _to_chunks(targets_bt, plan.time_chunk))
+    logp, lse, ent = (_from_chunks(o, t) for o in jax.lax.map(chunk, xs))
     out = (logp, ent) if plan.with_entropy else (logp,)
     return out, (h_btd, w_vd, targets_bt, lse, ent if plan.with_entropy else None)
 
@@ -249,14 +247,10 @@ def _fused_bwd(plan: _Plan, residuals, cotangents):
                                 dw, w_vd.shape[0])
         return dw, dh.astype(h_btd.dtype).reshape(b, -1, d)
 
-    xs = (h_btd, targets_bt, lse_bt, ent_bt, g_logp_bt, g_ent_bt)
-    dw = jnp.zeros(w_view.shape, jnp.float32)
-    if plan.time_chunk >= t:
-        dw, dh = chunk(dw, xs)
-    else:
-        dw, dh = jax.lax.scan(chunk, dw, tuple(_to_chunks(x, plan.time_chunk) for x in xs))
-        dh = _from_chunks(dh, t)
-    return dh, dw.reshape(-1, d)[:w_vd.shape[0]].astype(w_vd.dtype), None
+    xs = tuple(_to_chunks(x, plan.time_chunk) for x in (h_btd, targets_bt, lse_bt, ent_bt, g_logp_bt, g_ent_bt))
+    dw, dh = jax.lax.scan(chunk, jnp.zeros(w_view.shape, jnp.float32), xs)
+    dw = dw.reshape(-1, d)[:w_vd.shape[0]].astype(w_vd.dtype)
+    return _from_chunks(dh, t), dw, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
