@@ -105,7 +105,8 @@ def unstack_layers(params: Params) -> Params:
 
 
 def rms_norm(x, w, cfg: ModelConfig):
-    """RMSNorm (Zhang & Sennrich, 2019) in f32: x / rms(x) * w, or * (1 + w) for Gemma."""
+    """RMSNorm (Zhang & Sennrich, 2019) in f32: x / rms(x) * w, or * (1 + w) for Gemma. Returns
+    x's dtype: f32 on the residual stream (see `hidden_states`)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scale = w.astype(jnp.float32) + (1.0 if cfg.norm_plus_one else 0.0)
@@ -147,30 +148,35 @@ def rope(x_btnh, tables):
     return (x * cos + rotated * sin).astype(x_btnh.dtype)
 
 
-def project(x, w, contract: int = 1):
+def project(x, w, contract: int = 1, dtype=None):
     """Contracts the last `contract` axes of `x` with the first `contract` axes of `w`, as ONE
-    2-D matmul over all leading rows: [B, T, in...] @ [in..., out...] -> [B, T, out...].
+    2-D matmul over all leading rows: [B, T, in...] @ [in..., out...] -> [B, T, out...] in f32.
+
+    Both operands are rounded to `dtype` (the compute dtype; default x's dtype) and the product is
+    accumulated and returned in f32: in bf16 compute the operands are the only values rounded to
+    bf16 (see `hidden_states` for why the result is not).
 
     Same math as an einsum, but folding batch and time into one row axis gives the backward pass
     a weight gradient with a single contracting axis (rows); with two (b and t), XLA:CPU first
     copies a transposed activation gradient, an extra pass over it for every weight.
     """
+    dtype = dtype or x.dtype
     lead, k_shape = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
     k = int(np.prod(k_shape))
-    y = _matmul(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1))
+    y = _matmul(x.reshape(-1, k).astype(dtype), w.astype(dtype).reshape(k, -1))
     return y.reshape(*lead, *w.shape[contract:])
 
 
 @jax.custom_vjp
 def _matmul(x_mk, w_kn):
-    """x @ w accumulated in f32 and rounded to the inputs' dtype once, forward and backward.
+    """x @ w with operands in the compute dtype, accumulated in f32 and returned in f32.
 
-    The backward keeps the cotangent in the compute dtype (as bf16 autocast does), so all three
-    matmuls of a bf16 layer run bf16 x bf16 -> f32, which XLA:CPU executes natively; left to
-    autodiff, the f32 cotangent would upcast the weight and run the two backward matmuls in f32.
-    For f32 inputs this is exactly autodiff's rule.
+    The backward rounds the f32 cotangent to the operands' dtype (as bf16 autocast does), so all
+    three matmuls of a bf16 layer run bf16 x bf16 -> f32, which XLA:CPU executes natively; left
+    to autodiff, the f32 cotangent would upcast the weight and run the two backward matmuls in
+    f32. For f32 inputs this is exactly autodiff's rule.
     """
-    return jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32).astype(x_mk.dtype)
+    return jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32)
 
 
 def _matmul_fwd(x_mk, w_kn):
@@ -202,7 +208,9 @@ def _visible_softmax(logits_bkgts, q_pos_bt, k_pos_bs, window, cfg: ModelConfig)
 
 
 def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
-    """Causal grouped-query attention over key slots.
+    """Causal grouped-query attention over key slots: q, k, v in the compute dtype, scores and
+    softmax in f32, the probabilities rounded to v's dtype for the PV product (as FlashAttention
+    does), the output accumulated and returned in f32.
 
     A key is visible to a query when it is valid (position >= 0), not in the query's future
     (k_pos <= q_pos) and, for sliding layers, q_pos - k_pos < window. Positions rather than slot
@@ -214,7 +222,7 @@ def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConf
     logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
                         preferred_element_type=jnp.float32) * cfg.query_scale
     probs = _visible_softmax(logits, q_pos_bt, k_pos_bs, window, cfg).astype(v_bskh.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h)
 
 
@@ -237,35 +245,38 @@ def cached_attention(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs, window, cfg: Mo
                         preferred_element_type=jnp.float32) * cfg.query_scale
     probs = _visible_softmax(logits.reshape(b, kh, n // kh, t, -1), q_pos_bt, k_pos_bs, window, cfg)
     probs = probs.astype(v_bksh.dtype).reshape(b, kh, -1, v_bksh.shape[2])
-    out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh)
+    out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh, preferred_element_type=jnp.float32)
     return out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def _mlp(x_btd, lp, cfg: ModelConfig):
-    gate, up = project(x_btd, lp["gate"]), project(x_btd, lp["up"])
+    dt = cfg.compute_jnp_dtype
+    gate, up = project(x_btd, lp["gate"], dtype=dt), project(x_btd, lp["up"], dtype=dt)
     act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return project(act * up, lp["down"])
+    return project(act * up, lp["down"], dtype=dt)
 
 
 def _qkv(x_btd, lp, rope_btih, cfg: ModelConfig):
-    dt = x_btd.dtype
-    q, k, v = project(x_btd, lp["q"]), project(x_btd, lp["k"]), project(x_btd, lp["v"])
+    """Queries, keys and values: projected, biased, normed and rotated in f32, then rounded to the
+    compute dtype once (the dtype the KV cache stores)."""
+    dt = cfg.compute_jnp_dtype
+    q, k, v = (project(x_btd, lp[name], dtype=dt) for name in ("q", "k", "v"))
     if cfg.qkv_bias:
-        q, k, v = q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt), v + lp["v_bias"].astype(dt)
+        q, k, v = (x + lp[f"{name}_bias"].astype(jnp.float32) for x, name in zip((q, k, v), "qkv"))
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], cfg), rms_norm(k, lp["k_norm"], cfg)
-    return rope(q, rope_btih), rope(k, rope_btih), v
+    return rope(q, rope_btih).astype(dt), rope(k, rope_btih).astype(dt), v.astype(dt)
 
 
 def _block(h_btd, lp, attend, rope_btih, cfg: ModelConfig):
-    """One pre-norm block; `attend(q, k, v)` supplies keys (fresh or from the cache)."""
-    dt = h_btd.dtype
+    """One pre-norm block on the f32 residual stream `h_btd`; `attend(q, k, v)` supplies keys
+    (fresh or from the cache)."""
     x = rms_norm(h_btd, lp["attn_norm"], cfg)
     q, k, v = _qkv(x, lp, rope_btih, cfg)
     attn_btnh, extra = attend(q, k, v)
-    attn = project(attn_btnh, lp["o"], contract=2)
+    attn = project(attn_btnh, lp["o"], contract=2, dtype=cfg.compute_jnp_dtype)
     if cfg.o_bias:
-        attn = attn + lp["o_bias"].astype(dt)
+        attn = attn + lp["o_bias"].astype(jnp.float32)
     if cfg.sandwich_norm:
         attn = rms_norm(attn, lp["attn_post_norm"], cfg)
     h_btd = h_btd + attn
@@ -308,7 +319,19 @@ def default_positions(attn_mask_bt):
 def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
                   cache: Cache | None = None, *, remat: bool = False, unroll: bool = False,
                   rope_cos_sin=None):
-    """Final-normed hidden states [B, T, D] and the updated cache (None without one).
+    """Final-normed hidden states [B, T, D] in the compute dtype and the updated cache (None
+    without one).
+
+    Mixed precision: the residual stream, norms, activations and every matmul's accumulator and
+    result are f32; only matmul operands (and the KV cache) are in the compute dtype. The
+    sampler's decode step and the trainer's full-sequence forward reduce in different orders (a
+    row-count-dependent reduction in a norm, a softmax over a different number of slots), so
+    they differ in the last f32 bits. Rounding every intermediate to bf16, as an all-bf16 stream
+    does, turns each such difference into a whole bf16 ulp (2^-8, relative) whenever it straddles
+    a rounding boundary, at every op of every layer, and the ulps compound; keeping the stream in
+    f32 leaves only the operand roundings, where a last-bit difference flips a bf16 ulp rarely
+    (with probability about 2^-16 per element). It is the choice of bf16 autocast (f32 master
+    activations) and costs no measurable time on CPU; numbers in BENCHMARKS.md.
 
     Without a cache the layers run as one `lax.scan` (compiles once for any depth); `unroll=True`
     unrolls it, which removes the scan's stacked per-layer residuals (zero-filled and copied in
@@ -325,9 +348,10 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     if positions_bt is None:
         positions_bt = default_positions(attn_mask_bt)
     positions_bt = positions_bt.astype(jnp.int32)
-    h = jnp.take(params["embed"], tokens_bt, axis=0).astype(dt)
+    h = jnp.take(params["embed"], tokens_bt, axis=0).astype(jnp.float32)
     if cfg.scale_embeddings:
-        h = h * jnp.asarray(np.sqrt(cfg.hidden_size), dt)
+        # Gemma rounds the scale to the compute dtype (as HF does): sqrt(D) in bf16
+        h = h * jnp.asarray(np.sqrt(cfg.hidden_size), dt).astype(jnp.float32)
     new_pos_bt = jnp.where(attn_mask_bt, positions_bt, -1)
     windows = cfg.layer_windows()
     rope_btih = rope_tables(positions_bt, cfg, rope_cos_sin)
@@ -348,7 +372,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         if isinstance(layers, (list, tuple)):
             layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
         h, _ = jax.lax.scan(body, h, (layers, jnp.asarray(windows, jnp.int32)), unroll=bool(unroll))
-        return rms_norm(h, params["final_norm"], cfg), None
+        return rms_norm(h, params["final_norm"], cfg).astype(dt), None
 
     # Cached path: write this chunk's keys at slots [index, index + T), attend over all slots.
     index = cache["index"]
@@ -366,7 +390,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         h, lc_new = _block(h, lp, attend, rope_btih, cfg)
         new_layers.append(lc_new)
     new_cache = {"layers": tuple(new_layers), "pos": k_pos_bs, "index": index + t}
-    return rms_norm(h, params["final_norm"], cfg), new_cache
+    return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):

@@ -110,11 +110,13 @@ def _masked_mean(x_b, weight_b):
 
 def logp_mismatch(trainer_logp_bt, sampler_logp_bt, mask_bt) -> dict[str, jax.Array]:
     """|trainer log-prob - sampler log-prob| over the completion tokens, for the same params: the
-    sampler/trainer numerics gap that a PPO ratio starts from (mean and max, in nats)."""
+    sampler/trainer numerics gap that a PPO ratio starts from, as `rollout/logp_diff_mean` and
+    `rollout/logp_diff_max` (nats). `prepare_batch` reports it over every row when it recomputes
+    the old log-probs; otherwise `update` reports it from the first mini-batch's forward."""
     m = mask_bt.astype(bool)
     diff = jnp.abs(trainer_logp_bt.astype(jnp.float32) - sampler_logp_bt.astype(jnp.float32))
-    return {"mismatch/logp_abs_mean": jnp.sum(jnp.where(m, diff, 0.0)) / jnp.maximum(jnp.sum(m), 1),
-            "mismatch/logp_abs_max": jnp.max(jnp.where(m, diff, 0.0))}
+    return {"rollout/logp_diff_mean": jnp.sum(jnp.where(m, diff, 0.0)) / jnp.maximum(jnp.sum(m), 1),
+            "rollout/logp_diff_max": jnp.max(jnp.where(m, diff, 0.0))}
 
 
 def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, jax.Array]]:

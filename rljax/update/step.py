@@ -11,7 +11,7 @@ Inside one jitted program (compiled once per batch shape and config):
 Metrics are summed as (numerator, denominator) pairs and divided once at the end, so they equal
 one big batch's. Log-probs come from `rljax.models.token_logprobs`, the sampler's own scoring
 code: an on-policy ratio starts at 1 up to the sampler/trainer numerics gap, which is reported
-every step as `logp_diff/*` of the first mini-batch (`mismatch/*` when `recompute_old_logp`).
+every step as `rollout/logp_diff_mean|max` and `rollout/ratio_first_min|max` (see `update`).
 """
 
 from __future__ import annotations
@@ -176,11 +176,16 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
         metrics[name] = jnp.sum(num) / jnp.maximum(jnp.sum(den), 1e-8)
     for name, v in ext.items():
         metrics[name] = _extreme(name, v)
-    # The first mini-batch is scored with the params that sampled: its log-prob gap is the
-    # sampler/trainer mismatch (PPO's ratio at the start of the update).
-    first_num, first_den = pairs["logp_diff/abs_mean"]
-    metrics["logp_diff/first_abs_mean"] = first_num[0, 0] / jnp.maximum(first_den[0, 0], 1e-8)
-    metrics["logp_diff/first_abs_max"] = ext["logp_diff/abs_max"][0, 0]
+    # The sampler/trainer mismatch: with `recompute_old_logp`, prepare_batch measured it over every
+    # row; otherwise the first mini-batch is scored with the params that sampled against the
+    # sampler's log-probs, so its |log-ratio| is the mismatch. The ratio's spread there is what PPO
+    # starts from (the policy loss's ratio: per token, per sequence for GSPO).
+    if not algo.recompute_old_logp:
+        first_num, first_den = pairs["logp_diff/abs_mean"]
+        metrics["rollout/logp_diff_mean"] = first_num[0, 0] / jnp.maximum(first_den[0, 0], 1e-8)
+        metrics["rollout/logp_diff_max"] = ext["logp_diff/abs_max"][0, 0]
+    metrics["rollout/ratio_first_min"] = ext["ratio/min"][0, 0]
+    metrics["rollout/ratio_first_max"] = ext["ratio/max"][0, 0]
     metrics["lr"] = make_schedule(state.optim)(state.step)
     metrics["num_updates"] = jnp.asarray(sched.num_epochs * n_mb, jnp.int32)
     new_state = state.replace(step=state.step + sched.num_epochs * n_mb, params=params,
