@@ -4,7 +4,7 @@ The loop runs rollout -> update as one compiled program; to split it, this scrip
 stage compiled on its own (`sample`, the verifier callback's host time, `update_step` on the
 `RolloutBatch`) on the same batch. It counts XLA compilations (jax.monitoring) over several
 iterations to show that a run compiles once, and records the sampler/trainer log-prob gap the
-update reports (`logp_diff/first_abs_mean|max`). Writes bench/results/iteration.json.
+update reports (`rollout/logp_diff_mean|max`). Writes bench/results/iteration.json.
 
     .venv/bin/python bench/bench_iteration.py [--iterations 8]
 """
@@ -73,7 +73,7 @@ def main() -> None:
         if i == 0:
             compiles_first = len(_COMPILES)
     compiles_total = len(_COMPILES)
-    gap = {k: float(metrics[f"logp_diff/first_{k}"]) for k in ("abs_mean", "abs_max")}  # last iteration's
+    gap = {k: float(metrics[f"rollout/logp_diff_{k}"]) for k in ("mean", "max")}  # last iteration's
 
     # The same stages compiled separately, on one batch.
     b = next(it)
