@@ -129,7 +129,9 @@ def _vocab_view(w_vd, pieces: int):
 
     Strided, not contiguous: a V-sharded weight splits on the leading (within-chunk) dim of this
     view, so every chunk is itself V-sharded and selecting one is a local slice, where a
-    contiguous chunk would live on one device and force a gather of the others' rows.
+    contiguous chunk would live on one device and force a gather of the others' rows. That holds
+    when V / pieces divides by the V-shard count (151,936 = 2^7 x 1187: pieces x shards <= 128);
+    otherwise XLA all-gathers the weight, as it does for contiguous chunks.
     """
     v, d = w_vd.shape
     rows = -(-v // pieces)
