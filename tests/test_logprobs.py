@@ -237,6 +237,21 @@ def test_auto_chunk_size_follows_the_budget():
     assert auto_chunk_size(64, 768, 151_936, time_chunk=1000) == LogprobChunks(768, 594)  # 223 x: 256 pieces
 
 
+def test_update_config_keys_override_the_chunks():
+    """`update.logprob_chunk` sets the time chunk (the vocabulary split follows from it) and
+    `update.logprob_vocab_chunk` the ids per vocabulary chunk; unset, both are automatic; a
+    non-positive value is one ConfigError line. Catches: a key that is read but not applied, the
+    vocabulary key dropping the time override, a zero chunk reaching the scan."""
+    from rljax.errors import ConfigError
+    assert UpdateConfig().chunk_for(64, 768, 151_936) == auto_chunk_size(64, 768, 151_936)
+    assert UpdateConfig(logprob_chunk=16).chunk_for(64, 768, 151_936) == LogprobChunks(16, 151_936 // 8)
+    assert UpdateConfig(logprob_chunk=4, logprob_vocab_chunk=4096).chunk_for(64, 768, 151_936) == \
+        LogprobChunks(4, 4096)
+    assert UpdateConfig(logprob_vocab_chunk=10**6).chunk_for(8, 16, 17) == LogprobChunks(16, 17)
+    with pytest.raises(ConfigError, match="logprob_vocab_chunk=0 must be >= 1"):
+        UpdateConfig(logprob_vocab_chunk=0)
+
+
 def _abstract_update_memory(cfg, b, t, monkeypatch, whole: bool = False) -> int:
     """Compiled temporary bytes of `update` on abstract inputs (nothing allocated); `whole`
     scores the whole [B, T, V] as one chunk instead of the update's own choice."""

@@ -157,7 +157,7 @@ def test_bad_batch_size_and_missing_remax_baseline_are_config_errors():
         AlgorithmConfig(algorithm="reinforce_pp", lam=0.9)
 
 
-def test_algorithms_declare_their_rollout_needs():
+def test_algorithms_declare_their_rollout_needs(monkeypatch):
     """Needs come from registry declarations: ReMax's greedy baseline, GAE's values, a KL term's
     reference. A new estimator that declares a need is picked up with no other change."""
     assert AlgorithmConfig(algorithm="remax").needs.greedy_baseline
@@ -170,10 +170,14 @@ def test_algorithms_declare_their_rollout_needs():
         POLICY_LOSSES.register("test_loss_with_needs", needs=("reference_logp",))  # it would never receive them
 
     name = "test_greedy_minus_mean"
-    if name not in ADVANTAGES:
-        @ADVANTAGES.register(name, needs=("greedy_baseline",))
-        def _estimator(rewards_b, group_ids_b, loss_mask_bt, *, baseline_b=None, **_):
-            return (rewards_b - baseline_b)[:, None] * loss_mask_bt
+    # Registered for this test only: the registry entries are restored afterwards, so a test
+    # that lists the registered estimators never sees it.
+    monkeypatch.setattr(ADVANTAGES, "_fns", dict(ADVANTAGES._fns))
+    monkeypatch.setattr(ADVANTAGES, "_needs", dict(ADVANTAGES._needs))
+
+    @ADVANTAGES.register(name, needs=("greedy_baseline",))
+    def _estimator(rewards_b, group_ids_b, loss_mask_bt, *, baseline_b=None, **_):
+        return (rewards_b - baseline_b)[:, None] * loss_mask_bt
     algo = AlgorithmConfig(algorithm="grpo", advantage=name)
     assert algo.needs.greedy_baseline
     batch = _batch(5)

@@ -21,7 +21,8 @@ class UpdateConfig:
     see `rljax.models.hidden_states` and BENCHMARKS.md).
     Scoring: `logprob_chunk` is the time-chunk of the vocabulary projection (None: chosen from the
     shapes by `rljax.models.auto_chunk_size`, so a 150k vocabulary never holds [B, T, V]; a
-    chunk is recomputed in the backward pass). `log_entropy` reports the policy entropy; with it
+    chunk is recomputed in the backward pass); `logprob_vocab_chunk` the ids per vocabulary chunk
+    (None: split only where one time chunk alone is over budget). `log_entropy` reports the policy entropy; with it
     off and `entropy_coef = 0` the entropy is not computed at all.
     """
 
@@ -31,19 +32,25 @@ class UpdateConfig:
     remat: bool = False
     unroll_layers: bool = False
     logprob_chunk: int | None = None
+    logprob_vocab_chunk: int | None = None
     log_entropy: bool = True
 
     def __post_init__(self):
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1")
-        if self.logprob_chunk is not None and self.logprob_chunk < 1:
-            raise ConfigError(f"update.logprob_chunk={self.logprob_chunk} must be >= 1 (or unset: automatic)")
+        for name in ("logprob_chunk", "logprob_vocab_chunk"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1 (or unset: automatic)")
 
     def chunk_for(self, batch: int, time: int, vocab: int) -> LogprobChunks:
         """The vocabulary-projection chunks (time steps, vocabulary ids) of a [batch, time] scoring
-        pass: `logprob_chunk` or the automatic time chunk, then the vocabulary split it needs."""
-        return auto_chunk_size(batch, time, vocab, time_chunk=self.logprob_chunk)
+        pass: `logprob_chunk` or the automatic time chunk, then the vocabulary split it needs
+        (`logprob_vocab_chunk` ids per chunk when set)."""
+        chunks = auto_chunk_size(batch, time, vocab, time_chunk=self.logprob_chunk)
+        if self.logprob_vocab_chunk:
+            chunks = chunks._replace(vocab=min(self.logprob_vocab_chunk, vocab))
+        return chunks
 
     @property
     def chunks(self) -> int:
