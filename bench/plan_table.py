@@ -6,7 +6,8 @@ with 8 simulated devices (`--stages-only`: the one-program iteration, about thei
 compile time, is left out; the peak is then the larger stage's). Writes
 bench/results/plan_table.json and prints the markdown table for BENCHMARKS.md.
 
-    .venv/bin/python bench/plan_table.py [--config gsm8k_qwen] [--shapes Qwen2.5-0.5B Qwen2.5-7B]
+    .venv/bin/python bench/plan_table.py [--config gsm8k_qwen] [--shapes Qwen2.5-0.5B Qwen2.5-7B] \
+        [--set update.remat=true update.num_microbatches=64] [--out bench/results/plan_table_remat.json]
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="gsm8k_qwen")
     ap.add_argument("--shapes", nargs="*", default=list(NAMED_SHAPES))
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides, as for rljax plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "plan_table.json"))
     args = ap.parse_args()
-    cfg = load_config(args.config, ["mesh.devices=8"])
+    cfg = load_config(args.config, ["mesh.devices=8", *args.set])
     rows = []
     for name in args.shapes:
         model_cfg = model_config(name, param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype)
@@ -54,7 +56,7 @@ def main() -> None:
                    fits={c: plan.peak_bytes <= SLICES[c].accelerator.memory_bytes for c in COLUMNS})
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = dict(config=args.config, devices=8, mesh=dict(plan.state.mesh), jax=jax.__version__,
+    meta = dict(config=args.config, overrides=args.set, devices=8, mesh=dict(plan.state.mesh), jax=jax.__version__,
                 cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
