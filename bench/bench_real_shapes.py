@@ -4,26 +4,27 @@ the update program's compiled memory against the unchunked program's.
 The model is random-init (no download) with the published Qwen2.5-0.5B `config.json` (494,032,768
 parameters, 151,936-id tied embedding), read through `rljax.models.from_hf_dict` as a checkpoint
 would be, in the GSM8K recipe's dtypes (`configs/gsm8k_qwen.toml`: f32 params, bf16 compute) and
-update schedule (8 accumulated micro-batches, dr_grpo). The batch is the issue's small one:
-8 GSM8K-style prompts (Qwen chat template and the recipe's system prompt, 64-128 tokens, padded
-to 128) x 4 samples x 128 new tokens, scored by the recipe's math verifier.
+update schedule (its micro-batches, algorithm and old-log-prob recomputation). The batch is the
+issue's small one: 8 GSM8K-style prompts (Qwen chat template and the recipe's system prompt,
+64-128 tokens, padded to 128) x 4 samples x 128 new tokens, scored by the recipe's math verifier.
 
 Phases are compiled and timed one by one (the loop fuses them into one program, so this split is
 the only way to see them): compile the sampler, sample, verify on the host, compile the update,
-update. Peak RSS is `ru_maxrss` after each phase. Memory: `memory_analysis()` of the compiled
-update, and of the same update with the vocabulary projection in one piece (`chunk_for` returns
-the whole [rows, T, V]) compiled on abstract inputs only (nothing allocated). Peer: transformers'
-Qwen2 forward + backward of the same loss on the same batch and micro-batches in torch bf16
-autocast (no optimiser step), in a child process so the two peaks stay apart. Writes
-bench/results/real_shapes.json.
+update. Peak RSS is VmHWM after each phase. Memory: `memory_analysis()` of the compiled update,
+and of the same update with the vocabulary projection in one piece (`update.logprob_chunk` = T,
+`update.logprob_vocab_chunk` = V: [rows, T, V] f32 logits) compiled on abstract inputs only
+(nothing allocated). Peer: transformers' Qwen2 forward + backward of the same loss on the same
+batch and micro-batches in torch bf16 autocast (no optimiser step, no scoring pass), in a child
+process so the two peaks stay apart. Writes bench/results/real_shapes.json.
 
-    .venv/bin/python bench/bench_real_shapes.py              # full shapes, about 10+ minutes here
+    .venv/bin/python bench/bench_real_shapes.py              # full shapes: ~15 minutes here
     .venv/bin/python bench/bench_real_shapes.py --layers 1 --new-tokens 8 --no-peer   # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -42,13 +43,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from peak import matmul_peak_gflops  # noqa: E402  (bench/ is on sys.path when run as a script)
 from rljax.data.example import verifier_metadata  # noqa: E402
 from rljax.data.pipeline import prompt_batches  # noqa: E402
-from rljax.models import LogprobChunks, from_hf_dict, init_params  # noqa: E402
+from rljax.models import from_hf_dict, init_params  # noqa: E402
 from rljax.rewards import as_callback  # noqa: E402
 from rljax.sampling import sample  # noqa: E402
 from rljax.train import setup  # noqa: E402
 from rljax.train.config import load_config  # noqa: E402
 from rljax.train.loop import sample_controls  # noqa: E402
-from rljax.update import RolloutBatch, UpdateConfig, init_train_state, update  # noqa: E402
+from rljax.update import RolloutBatch, init_train_state, update  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -105,14 +106,6 @@ def _rss_peak_mib() -> float:
         return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
 
 
-class _Unchunked(UpdateConfig):
-    """The same update schedule with the vocabulary projection in one piece: every scoring pass
-    holds [rows, T, V] f32 logits. Compiled on abstract inputs only, for its memory estimate."""
-
-    def chunk_for(self, batch: int, time: int, vocab: int) -> LogprobChunks:
-        return LogprobChunks(time, vocab)
-
-
 def _memory(compiled) -> dict:
     m = compiled.memory_analysis()
     out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
@@ -149,6 +142,7 @@ def main() -> None:
         return _torch_peer(args.peer)
 
     t_start = time.perf_counter()
+    code = _code_version()  # before anything runs: the modules are already imported
     rss = {"start": _rss_peak_mib()}
     peaks = {name: round(matmul_peak_gflops(dt), 1) for name, dt in (("float32", jnp.float32),
                                                                       ("bfloat16", jnp.bfloat16))}
@@ -235,7 +229,8 @@ def main() -> None:
 
     # The unchunked update, on abstract inputs: nothing is allocated.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
-    abstract_state = abstract[0].replace(update_cfg=_Unchunked(**vars(cfg.update)))
+    whole = dataclasses.replace(cfg.update, logprob_chunk=t, logprob_vocab_chunk=model_cfg.vocab_size)
+    abstract_state = abstract[0].replace(update_cfg=whole)  # [rows, T, V] f32 logits in one piece
     t0 = time.perf_counter()
     memory["update_unchunked"] = _memory(jax.jit(update, donate_argnums=(0,)).lower(
         abstract_state, abstract[1], jax.random.key(2)).compile())
@@ -244,19 +239,8 @@ def main() -> None:
     chunks = cfg.update.chunk_for(rows // cfg.update.chunks, t, model_cfg.vocab_size)
     rss["end"] = _rss_peak_mib()
 
-    peer = None
-    del state, update_c, sample_c  # the peer runs next to this process: give its memory back first
-    if not args.no_peer:
-        batch_file = os.path.join(tmp, "batch.npz")
-        adv = np.asarray(rewards.total_b, np.float32).reshape(args.prompts, n)
-        np.savez(batch_file, tokens=np.asarray(batch.tokens_bt), attn=np.asarray(batch.attn_mask_bt),
-                 loss=np.asarray(batch.loss_mask_bt), adv=(adv - adv.mean(1, keepdims=True)).reshape(-1),
-                 layers=args.layers, micro=cfg.update.num_microbatches)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--peer", batch_file],
-                              capture_output=True, text=True, check=True)
-        peer = json.loads(proc.stdout.strip().splitlines()[-1])
-
-    gflop = _train_flops(model_cfg, rows, t) / 1e9
+    rescored = cfg.algorithm.recompute_old_logp  # a no-grad forward before the update: 4 forwards, not 3
+    gflop = _train_flops(model_cfg, rows, t) * (4 / 3 if rescored else 1) / 1e9
     mib = lambda x: round(x / 2**20, 1)  # noqa: E731
     result = {
         "date": datetime.date.today().isoformat(),
@@ -277,6 +261,7 @@ def main() -> None:
         "generated_tokens": int(out_mask.sum()),
         "sample_new_tok_s": round(float(out_mask.sum()) / times["sample"], 1),
         "update_tok_s": round(rows * t / times["update"], 1),
+        "update_rescores_old_logp": rescored,
         "update_gflop": round(gflop, 1),
         "update_gflops": round(gflop / times["update"], 1),
         "update_frac_of_bf16_peak": round(gflop / times["update"] / peaks["bfloat16"], 3),
@@ -285,15 +270,28 @@ def main() -> None:
         "compiled_mib": {name: {k: mib(v) for k, v in m.items()} for name, m in memory.items()},
         "unchunked_over_chunked_update_temp": round(memory["update_unchunked"]["temp"] / memory["update"]["temp"], 2),
         "reward_mean": float(np.mean(rewards.total_b)),
-        "metrics": {k: metrics[k] for k in ("loss/policy", "grad_norm", "logp_diff/first_abs_mean",
-                                            "logp_diff/first_abs_max") if k in metrics},
-        "peer": peer,
+        "metrics": metrics,
+        "code": code,
+        "peer": None,
     }
-    if peer:
-        result["update_over_peer_fwd_bwd"] = round(times["update"] / peer["fwd_bwd_s"], 2)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    with open(args.out, "w") as f:  # written now, and again with the peer
         json.dump(result, f, indent=2)
+
+    del state, update_c, sample_c  # the peer runs next to this process: give its memory back first
+    if not args.no_peer:
+        batch_file = os.path.join(tmp, "batch.npz")
+        adv = np.asarray(rewards.total_b, np.float32).reshape(args.prompts, n)
+        np.savez(batch_file, tokens=np.asarray(batch.tokens_bt), attn=np.asarray(batch.attn_mask_bt),
+                 loss=np.asarray(batch.loss_mask_bt), adv=(adv - adv.mean(1, keepdims=True)).reshape(-1),
+                 layers=args.layers, micro=cfg.update.num_microbatches, rescore=rescored)
+        _log("peer: transformers forward + backward")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--peer", batch_file],
+                              capture_output=True, text=True, check=True)
+        result["peer"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["update_over_peer"] = round(times["update"] / result["peer"]["total_s"], 2)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
 
 
@@ -315,6 +313,11 @@ def _torch_peer(batch_file: str) -> None:
     size = tokens.shape[0] // micro
     norm = float(loss_mask.sum())
 
+    def score(rows: slice) -> None:  # the old log-probs, as the update's scoring pass
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=tokens[rows], attention_mask=attn[rows]).logits[:, :-1]
+            torch.log_softmax(logits.float(), -1).gather(-1, tokens[rows, 1:, None])
+
     def step(rows: slice) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(input_ids=tokens[rows], attention_mask=attn[rows]).logits[:, :-1]
@@ -324,14 +327,30 @@ def _torch_peer(batch_file: str) -> None:
 
     step(slice(0, 1))  # warm-up: one row
     model.zero_grad(set_to_none=False)
+    score_s = 0.0
+    if bool(d["rescore"]):
+        t0 = time.perf_counter()
+        for i in range(micro):
+            score(slice(i * size, (i + 1) * size))
+        score_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(micro):
         step(slice(i * size, (i + 1) * size))
     fwd_bwd_s = time.perf_counter() - t0
-    print(json.dumps({"what": "transformers Qwen2ForCausalLM forward + backward, torch bf16 autocast, f32 params, "
-                              "same batch and micro-batches, no optimiser step",
-                      "fwd_bwd_s": round(fwd_bwd_s, 2), "threads": torch.get_num_threads(),
+    print(json.dumps({"what": "transformers Qwen2ForCausalLM: a no-grad scoring forward (when the update rescores) "
+                              "then forward + backward, torch bf16 autocast, f32 params, same batch and "
+                              "micro-batches, no optimiser step",
+                      "score_s": round(score_s, 2), "fwd_bwd_s": round(fwd_bwd_s, 2),
+                      "total_s": round(score_s + fwd_bwd_s, 2), "threads": torch.get_num_threads(),
                       "peak_rss_mib": round(_rss_peak_mib(), 1), "rss_after_model_mib": round(rss_model, 1)}))
+
+
+def _code_version() -> dict:
+    """The commit measured, and the files under rljax/ that differ from it (uncommitted work)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted_in_rljax": git("status", "--porcelain", "--", "rljax").splitlines()}
 
 
 def _cpu_model() -> str | None:

@@ -1,6 +1,7 @@
 """Runs every benchmark and writes one table: BENCHMARKS.md and bench/results/summary.json.
 
-    .venv/bin/python bench/run_all.py            # all benchmarks (about 10 minutes on a 2-core CPU)
+    .venv/bin/python bench/run_all.py            # all benchmarks (about 10 minutes on a 2-core CPU, plus
+                                                 # ~10 and 17 GiB of RAM for the Qwen2.5-0.5B real shapes)
     .venv/bin/python bench/run_all.py --table    # only rebuild the table from bench/results/*.json
 
 Each script writes its own JSON (date, machine, versions) to bench/results/; this collects them.
@@ -143,8 +144,10 @@ def real_shapes_section(rs: dict) -> list[str]:
              f"{st['algorithm']}, {st['micro_batches']} micro-batches; {st['prompts']} prompts x "
              f"{st['samples_per_prompt']} samples x {st['new_tokens']} new tokens, prompts "
              f"{st['prompt_tokens_min_max'][0]}-{st['prompt_tokens_min_max'][1]} tokens (chat template) padded to "
-             f"{st['prompt_bucket']}: {st['rows']} rows x {st['seq_len']} tokens. Phases compiled and run one by one "
-             f"(`bench/bench_real_shapes.py`).", "",
+             f"{st['prompt_bucket']}: {st['rows']} rows x {st['seq_len']} tokens; the update "
+             f"{'rescores the old log-probs, then ' if rs.get('update_rescores_old_logp') else ''}runs forward + "
+             f"backward ({rs['update_gflop']:,.0f} GFLOP). Phases compiled and run one by one "
+             f"(`bench/bench_real_shapes.py`, rljax at {rs['code']['commit']}).", "",
              _row("phase", "seconds", "rate", "peak RSS after it"), _row("---", "---", "---", "---"),
              _row("random init + train state", t["init"], "", f"{rss['model_and_state']:,.0f} MiB"),
              _row("compile sampler", t["compile_sample"], "", ""),
@@ -155,8 +158,8 @@ def real_shapes_section(rs: dict) -> list[str]:
              _row("update", t["update"], f"{rs['update_gflops']} GFLOP/s ({rs['update_frac_of_bf16_peak']:.0%} of "
                                          f"bf16 peak)", f"{rss['update']:,.0f} MiB")]
     if peer:
-        lines.append(_row("peer: transformers fwd + bwd, torch bf16", peer["fwd_bwd_s"],
-                          f"rljax update / peer = {rs['update_over_peer_fwd_bwd']}x",
+        lines.append(_row("peer: transformers (scoring pass +) fwd + bwd, torch bf16", peer["total_s"],
+                          f"rljax update / peer = {rs['update_over_peer']}x (no optimiser step in the peer)",
                           f"{peer['peak_rss_mib']:,.0f} MiB (own process)"))
     u, un = mem["update"], mem["update_unchunked"]
     lines += ["", _row("update program (per device, MiB)", "arguments", "temporaries", "peak (args + out - aliased "
