@@ -4,8 +4,8 @@ the update program's compiled memory against the unchunked program's.
 The model is random-init (no download) with the published Qwen2.5-0.5B `config.json` (494,032,768
 parameters, 151,936-id tied embedding), read through `rljax.models.from_hf_dict` as a checkpoint
 would be, in the GSM8K recipe's dtypes (`configs/gsm8k_qwen.toml`: f32 params, bf16 compute) and
-update schedule (its micro-batches, algorithm and old-log-prob recomputation). The batch is the
-issue's small one: 8 GSM8K-style prompts (Qwen chat template and the recipe's system prompt,
+update schedule (its rows per micro-batch, remat, algorithm and old-log-prob recomputation). The
+batch is the issue's small one: 8 GSM8K-style prompts (Qwen chat template and the recipe's system prompt,
 64-128 tokens, padded to 128) x 4 samples x 128 new tokens, scored by the recipe's math verifier.
 
 Phases are compiled and timed one by one (the loop fuses them into one program, so this split is
@@ -149,10 +149,15 @@ def main() -> None:
     _log(f"matmul peak {peaks} GFLOP/s")
     tmp = tempfile.mkdtemp(prefix="rljax-real-shapes-")
     _write_data(os.path.join(tmp, "train.jsonl"))
+    # The recipe's micro-batch size in rows, kept at this smaller batch (its count would not divide it).
+    recipe = load_config("gsm8k_qwen", ["model.tokenizer=qwen"])
+    recipe_rows = recipe.rl.prompts_per_iteration * recipe.sampling.num_samples // recipe.update.chunks
+    micro = max(1, args.prompts * args.samples // recipe_rows)
     cfg = load_config("gsm8k_qwen", [
         "model.tokenizer=qwen", f"data.path='{tmp}/train.jsonl'", "data.eval_path=''", "data.eval_size=0",
         "data.max_prompt_tokens=128", f"rl.prompts_per_iteration={args.prompts}",
-        f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.new_tokens}", f"output_dir='{tmp}'"])
+        f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.new_tokens}",
+        f"update.num_microbatches={micro}", "update.num_minibatches=1", f"output_dir='{tmp}'"])
     tok = setup.build_tokenizer(cfg.model)
     model_cfg = from_hf_dict({**QWEN25_05B, "num_hidden_layers": args.layers}, param_dtype=cfg.model.param_dtype,
                              compute_dtype=cfg.model.compute_dtype, eos_token_id=tok.eos_ids,
@@ -254,7 +259,7 @@ def main() -> None:
                   "new_tokens": controls.max_new_tokens, "prompt_tokens_min_max": [int(prompt_lengths.min()),
                                                                                   int(prompt_lengths.max())],
                   "prompt_bucket": int(b.tokens_bt.shape[1]), "rows": rows, "seq_len": t,
-                  "micro_batches": cfg.update.num_microbatches,
+                  "micro_batches": cfg.update.num_microbatches, "remat": cfg.update.remat,
                   "logprob_chunks": {"time": chunks.time, "vocab": chunks.vocab}},
         "times_s": {k: round(v, 2) for k, v in {"init": init_s, **times,
                                                 "total": time.perf_counter() - t_start}.items()},
@@ -284,7 +289,7 @@ def main() -> None:
         adv = np.asarray(rewards.total_b, np.float32).reshape(args.prompts, n)
         np.savez(batch_file, tokens=np.asarray(batch.tokens_bt), attn=np.asarray(batch.attn_mask_bt),
                  loss=np.asarray(batch.loss_mask_bt), adv=(adv - adv.mean(1, keepdims=True)).reshape(-1),
-                 layers=args.layers, micro=cfg.update.num_microbatches, rescore=rescored)
+                 layers=args.layers, micro=cfg.update.num_microbatches, rescore=rescored, remat=cfg.update.remat)
         _log("peer: transformers forward + backward")
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--peer", batch_file],
                               capture_output=True, text=True, check=True)
@@ -306,6 +311,8 @@ def _torch_peer(batch_file: str) -> None:
     fields = {k: v for k, v in QWEN25_05B.items() if k not in ("architectures", "model_type")}
     hf = transformers.Qwen2Config(**{**fields, "num_hidden_layers": int(d["layers"])})
     model = transformers.Qwen2ForCausalLM(hf).train()
+    if bool(d["remat"]):  # the update recomputes layer activations in the backward pass: so does the peer
+        model.gradient_checkpointing_enable()
     rss_model = _rss_peak_mib()
     tokens, attn = torch.from_numpy(d["tokens"]).long(), torch.from_numpy(d["attn"]).long()
     loss_mask, adv = torch.from_numpy(d["loss"]).float(), torch.from_numpy(d["adv"]).float()
@@ -338,8 +345,8 @@ def _torch_peer(batch_file: str) -> None:
         step(slice(i * size, (i + 1) * size))
     fwd_bwd_s = time.perf_counter() - t0
     print(json.dumps({"what": "transformers Qwen2ForCausalLM: a no-grad scoring forward (when the update rescores) "
-                              "then forward + backward, torch bf16 autocast, f32 params, same batch and "
-                              "micro-batches, no optimiser step",
+                              "then forward + backward (gradient checkpointing when the update remats), torch bf16 "
+                              "autocast, f32 params, same batch and micro-batches, no optimiser step",
                       "score_s": round(score_s, 2), "fwd_bwd_s": round(fwd_bwd_s, 2),
                       "total_s": round(score_s + fwd_bwd_s, 2), "threads": torch.get_num_threads(),
                       "peak_rss_mib": round(_rss_peak_mib(), 1), "rss_after_model_mib": round(rss_model, 1)}))
