@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -171,6 +172,8 @@ def real_shapes_section(rs: dict) -> list[str]:
               f"Peak RSS of the whole process: {rss['end']:,.0f} MiB ({rss['start']:,.0f} MiB at start); the "
               f"compiled update alone estimates {u['peak']:,.0f} MiB (one device). Unchunked over chunked update "
               f"temporaries: {rs['unchunked_over_chunked_update_temp']}x.", ""]
+    for note in rs.get("notes", []):  # the reading notes written with the run (results JSON)
+        lines += [note, ""]
     return lines
 
 
@@ -185,10 +188,27 @@ def main() -> None:
             subprocess.run([sys.executable, os.path.join(HERE, cmd[0]), *cmd[1:]], check=True, cwd=ROOT,
                            stdout=subprocess.DEVNULL)
             print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
+    path = os.path.join(ROOT, "BENCHMARKS.md")
     table = build_table()
-    with open(os.path.join(ROOT, "BENCHMARKS.md"), "w") as f:
+    kept = hand_written_sections(open(path).read() if os.path.exists(path) else "", table)
+    table = "\n".join([table.rstrip("\n"), "", *kept]) if kept else table
+    with open(path, "w") as f:
         f.write(table)
     print(table)
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(title, text) of every "## " section of a markdown file, in order."""
+    parts = re.split(r"(?m)^(?=## )", text)
+    return [(part.splitlines()[0], part) for part in parts if part.startswith("## ")]
+
+
+def hand_written_sections(old: str, generated: str) -> list[str]:
+    """The sections of the old BENCHMARKS.md that `build_table` does not generate (written by
+    hand from scripts run on their own, e.g. the memory plan), kept in their order so that
+    rebuilding the table never drops them. A generated section is regenerated, never kept."""
+    titles = {title for title, _ in _sections(generated)}
+    return [body.rstrip("\n") + "\n" for title, body in _sections(old) if title not in titles]
 
 
 if __name__ == "__main__":
