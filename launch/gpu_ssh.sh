@@ -69,9 +69,9 @@ for i in "${!host_list[@]}"; do
   env_vars="RLJAX_COORDINATOR_ADDRESS=$coordinator:$port RLJAX_NUM_PROCESSES=${#host_list[@]} RLJAX_PROCESS_ID=$i"
   # -tt ties the remote process to this connection, so killing ssh stops it.
   if [[ "$dry_run" == 1 ]]; then
-    run ssh -tt -o BatchMode=yes "${host_list[$i]}" "${prefix}env $env_vars rljax train$quoted"
+    run ssh -tt -o BatchMode=yes "${host_list[$i]}" "${prefix}env $env_vars python3 -m rljax train$quoted"
   else
-    ssh -tt -o BatchMode=yes "${host_list[$i]}" "${prefix}env $env_vars rljax train$quoted" \
+    ssh -tt -o BatchMode=yes "${host_list[$i]}" "${prefix}env $env_vars python3 -m rljax train$quoted" \
       2>&1 | sed -u "s/^/[$i] /" &
     pids+=("$!")
   fi

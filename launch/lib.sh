@@ -37,3 +37,8 @@ same_versions() {
   fi
   echo "launch: all workers match: ${distinct#rljax-versions }"
 }
+
+# The version in a checkout's pyproject.toml (the wheel `pip wheel` builds is named after it).
+version_of() {
+  sed -n 's/^version = "\(.*\)"/\1/p' "$1/pyproject.toml" | head -n 1
+}

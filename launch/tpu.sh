@@ -5,9 +5,10 @@
 #
 # Actions:
 #   create   create the TPU VM / pod slice
-#   setup    install jax[tpu] and rljax on every worker
+#   setup    copy the rljax wheel to every worker and install it there with jax[tpu]
 #   check    fail unless every worker reports the same python/jax/jaxlib/libtpu versions
-#   train    check, then start `rljax train TRAIN_ARGS` detached on all workers and stream logs
+#   train    check, then start `python3 -m rljax train TRAIN_ARGS` detached on all workers and
+#            stream logs
 #   logs     stream worker 0's training log
 #   stop     stop the training processes on all workers
 #   delete   delete the slice
@@ -21,7 +22,11 @@
 #   --project PROJECT      GCP project (default: gcloud's configured project)
 #   --spot                 create a spot slice
 #   --jax SPEC             pip spec for jax (default "jax[tpu]>=0.10.2,<0.11")
-#   --rljax SPEC           pip spec for rljax (default "rljax"; a git URL or wheel also works)
+#   --wheel PATH           the rljax wheel to install (default: built from this checkout with
+#                          `pip wheel --no-deps` into build/launch/); copied to every worker
+#   --pip-spec SPEC        install rljax from a pip spec you control instead (a git URL, or an
+#                          index name that is yours): never "rljax" from PyPI, which is another
+#                          project
 #   --log FILE             log path on each worker (default rljax-train.log)
 #   --dry-run              print the exact commands instead of running them
 #
@@ -37,7 +42,7 @@ if [[ -z "$action" || "$action" == "-h" || "$action" == "--help" ]]; then usage;
 shift
 
 name="" zone="" type="v4-8" version="tpu-ubuntu2204-base" project="" spot=0 dry_run=0
-jax_spec="jax[tpu]>=0.10.2,<0.11" rljax_spec="rljax" log="rljax-train.log"
+jax_spec="jax[tpu]>=0.10.2,<0.11" wheel="" pip_spec="" log="rljax-train.log"
 train_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -48,7 +53,8 @@ while [[ $# -gt 0 ]]; do
     --project) project="$2"; shift 2 ;;
     --spot) spot=1; shift ;;
     --jax) jax_spec="$2"; shift 2 ;;
-    --rljax) rljax_spec="$2"; shift 2 ;;
+    --wheel) wheel="$2"; shift 2 ;;
+    --pip-spec) pip_spec="$2"; shift 2 ;;
     --log) log="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     --) shift; train_args=("$@"); break ;;
@@ -57,6 +63,10 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$name" ]] || { echo "tpu.sh: --name is required" >&2; exit 2; }
 [[ -n "$zone" ]] || { echo "tpu.sh: --zone is required" >&2; exit 2; }
+if [[ "$pip_spec" == "rljax" || "$pip_spec" == rljax[=\<\>~]* ]]; then
+  echo "tpu.sh: --pip-spec $pip_spec would install the unrelated PyPI project named rljax; pass --wheel PATH or a git URL" >&2
+  exit 2
+fi
 
 # shellcheck source=launch/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -77,8 +87,26 @@ create() {
   run "${args[@]}"
 }
 
+# The wheel to install: --wheel, else one built from this checkout (the code the user has).
+build_wheel() {
+  if [[ -z "$wheel" ]]; then
+    local root out
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    out="$root/build/launch"
+    run python3 -m pip wheel --no-deps --quiet --wheel-dir "$out" "$root"
+    wheel="$out/rljax-$(version_of "$root")-py3-none-any.whl"
+  fi
+  [[ "$dry_run" == 1 || -f "$wheel" ]] || { echo "tpu.sh: no wheel at $wheel; pass --wheel PATH" >&2; exit 2; }
+}
+
 setup() {
-  on_workers all "python3 -m pip install --upgrade $(quote "$jax_spec") $(quote "$rljax_spec")"
+  if [[ -n "$pip_spec" ]]; then
+    on_workers all "python3 -m pip install --upgrade $(quote "$jax_spec") $(quote "$pip_spec")"
+    return
+  fi
+  build_wheel
+  run "${gcloud_tpu[@]}" scp "$wheel" "$name:" "${where[@]}" --worker=all
+  on_workers all "python3 -m pip install --upgrade $(quote "$jax_spec") ./$(quote "$(basename "$wheel")")"
 }
 
 check() {
@@ -92,7 +120,7 @@ train() {
   local quoted=""
   local arg
   for arg in "${train_args[@]}"; do quoted+=" $(quote "$arg")"; done
-  on_workers all "RLJAX_DISTRIBUTED=auto nohup rljax train$quoted > $log 2>&1 < /dev/null & echo \$! > $log.pid"
+  on_workers all "RLJAX_DISTRIBUTED=auto nohup python3 -m rljax train$quoted > $log 2>&1 < /dev/null & echo \$! > $log.pid"
   logs
 }
 

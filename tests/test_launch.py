@@ -27,21 +27,65 @@ def test_scripts_pass_shellcheck():
 
 
 def test_tpu_up_dry_run_prints_the_gcloud_commands():
-    """`up` creates the slice, installs on all workers, checks versions on all workers, starts
-    `rljax train` detached on all workers with the given args, then streams worker 0's log."""
+    """`up` creates the slice, builds a wheel from this checkout, copies it to all workers and
+    installs it there, checks versions on all workers, starts `python3 -m rljax train` detached on
+    all workers with the given args (no PATH lookup of an `rljax` script), then streams worker 0's
+    log. Catches: installing `rljax` from PyPI (another project), a remote command that needs
+    ~/.local/bin on PATH."""
     cmds = _dry_run("launch/tpu.sh", "up", "--name", "rl-pod", "--zone", "us-central2-b", "--type", "v4-32",
                     "--project", "proj", "--spot", "--dry-run", "--", "--config", "my run.toml")
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "rl-pod", "--zone=us-central2-b", "--project=proj"]
     assert cmds[0] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "rl-pod", "--zone=us-central2-b",
                        "--project=proj", "--accelerator-type=v4-32", "--version=tpu-ubuntu2204-base", "--spot"]
-    assert cmds[1] == [*ssh, "--worker=all",
-                       "--command=python3 -m pip install --upgrade 'jax[tpu]>=0.10.2,<0.11' rljax"]
-    assert cmds[2][:-1] == [*ssh, "--worker=all"] and "rljax-versions" in cmds[2][-1]
-    assert "libtpu" in cmds[2][-1] and "jaxlib" in cmds[2][-1]
-    assert cmds[3] == [*ssh, "--worker=all", "--command=RLJAX_DISTRIBUTED=auto nohup rljax train --config "
-                       "'my run.toml' > rljax-train.log 2>&1 < /dev/null & echo $! > rljax-train.log.pid"]
-    assert cmds[4] == [*ssh, "--worker=0", "--command=tail -n +1 -F rljax-train.log"]
-    assert len(cmds) == 5
+    wheel = os.path.join(ROOT, "build", "launch", f"rljax-{_version()}-py3-none-any.whl")
+    assert cmds[1] == ["python3", "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir",
+                       os.path.join(ROOT, "build", "launch"), ROOT]
+    assert cmds[2] == ["gcloud", "compute", "tpus", "tpu-vm", "scp", wheel, "rl-pod:", "--zone=us-central2-b",
+                       "--project=proj", "--worker=all"]
+    assert cmds[3] == [*ssh, "--worker=all", "--command=python3 -m pip install --upgrade 'jax[tpu]>=0.10.2,<0.11' "
+                       f"./{os.path.basename(wheel)}"]
+    assert cmds[4][:-1] == [*ssh, "--worker=all"] and "rljax-versions" in cmds[4][-1]
+    assert "libtpu" in cmds[4][-1] and "jaxlib" in cmds[4][-1]
+    assert cmds[5] == [*ssh, "--worker=all", "--command=RLJAX_DISTRIBUTED=auto nohup python3 -m rljax train "
+                       "--config 'my run.toml' > rljax-train.log 2>&1 < /dev/null & echo $! > rljax-train.log.pid"]
+    assert cmds[6] == [*ssh, "--worker=0", "--command=tail -n +1 -F rljax-train.log"]
+    assert len(cmds) == 7
+
+
+def _version() -> str:
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["version"]
+
+
+def test_tpu_setup_builds_copies_and_installs_the_checkouts_wheel(tmp_path):
+    """`setup` (not a dry run) builds a wheel of this checkout and hands a fake `gcloud` on PATH
+    the file it copies; that wheel exists, holds `rljax/__main__.py` (so `python3 -m rljax` works
+    on the worker), and the install command installs that same file. Catches: a wheel name that
+    does not match what `pip wheel` writes, a wheel without the CLI entry module, installing
+    something other than the copied file."""
+    import zipfile
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "bin" / "gcloud"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "launch/tpu.sh", "setup", "--name", "p", "--zone", "z"], cwd=ROOT, env=env,
+                   check=True, timeout=300, capture_output=True)
+    scp, install = calls.read_text().splitlines()
+    wheel = scp.split()[4]
+    assert scp.split()[:4] == ["compute", "tpus", "tpu-vm", "scp"] and scp.endswith("p: --zone=z --worker=all")
+    assert "rljax/__main__.py" in zipfile.ZipFile(wheel).namelist()
+    assert install.endswith(f"python3 -m pip install --upgrade 'jax[tpu]>=0.10.2,<0.11' ./{os.path.basename(wheel)}")
+
+
+def test_tpu_refuses_the_pypi_name():
+    """`--pip-spec rljax` would install the unrelated PyPI project of that name: one line, exit 2."""
+    result = subprocess.run(["bash", "launch/tpu.sh", "setup", "--name", "p", "--zone", "z", "--pip-spec",
+                             "rljax==0.0.4"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "unrelated PyPI project" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_tpu_stop_and_delete_dry_run():
@@ -70,7 +114,7 @@ def test_gpu_ssh_dry_run_sets_rank_env_per_host():
     for i, host in enumerate(["me@gpu0", "gpu1"]):
         assert cmds[2 + i] == ["ssh", "-tt", "-o", "BatchMode=yes", host,
                                f"env RLJAX_COORDINATOR_ADDRESS=gpu0:4242 RLJAX_NUM_PROCESSES=2 "
-                               f"RLJAX_PROCESS_ID={i} rljax train --config c.toml"]
+                               f"RLJAX_PROCESS_ID={i} python3 -m rljax train --config c.toml"]
 
 
 def test_slurm_dry_run_checks_versions_then_sruns_train():
@@ -79,7 +123,7 @@ def test_slurm_dry_run_checks_versions_then_sruns_train():
                     env={"SLURM_JOB_NUM_NODES": "4"})
     step = ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c"]
     assert cmds[0][:-1] == step and "rljax-versions" in cmds[0][-1]
-    assert cmds[1] == [*step, "RLJAX_DISTRIBUTED=auto exec rljax train --config c.toml"]
+    assert cmds[1] == [*step, "RLJAX_DISTRIBUTED=auto exec python3 -m rljax train --config c.toml"]
 
 
 def test_version_check_fails_on_mismatch():
