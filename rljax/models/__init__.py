@@ -3,9 +3,10 @@
 from rljax.models.config import ModelConfig, from_hf_dict, preset, to_hf_dict
 from rljax.models.hf_io import load_hf, read_hf_config, save_hf
 from rljax.models.scoring import (LOGITS_BUDGET_BYTES, LogprobChunks, auto_chunk_size, fused_logprobs,
-                                  init_value_params, logprobs_from_logits, output_embedding, token_logprobs, values)
+                                  init_value_params, logprobs_from_logits, token_logprobs, values)
 from rljax.models.transformer import (CACHE_SLOT_AXIS, default_positions, forward, hidden_states, init_cache,
-                                     init_params, logits_from_hidden, rope_table, unstack_layers)
+                                     init_params, logits_from_hidden, output_embedding, rope_table,
+                                     unstack_layers)
 
 __all__ = [
     "ModelConfig", "preset", "from_hf_dict", "to_hf_dict", "load_hf", "save_hf", "read_hf_config",

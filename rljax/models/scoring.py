@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models.config import ModelConfig
-from rljax.models.transformer import Params, hidden_states
+from rljax.models.transformer import Params, hidden_states, output_embedding
 
 
 def logprobs_from_logits(logits_btv, targets_bt, temperature: float = 1.0, with_entropy: bool = False):
@@ -303,11 +303,6 @@ def fused_logprobs(h_btd, w_vd, targets_bt, *, temperature: float = 1.0, softcap
     plan = _Plan(float(temperature), None if softcap is None else float(softcap), bool(with_entropy), steps, pieces)
     out = _fused(h_btd, w_vd, targets_bt.astype(jnp.int32), plan)
     return (out[0], out[1]) if with_entropy else (out[0], None)
-
-
-def output_embedding(cfg: ModelConfig, params: Params):
-    """The [V, D] matrix the logits are computed against: the tied embedding or the LM head."""
-    return params["embed"] if cfg.tie_embeddings else params["lm_head"]
 
 
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,

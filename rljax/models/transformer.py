@@ -393,9 +393,14 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache
 
 
+def output_embedding(cfg: ModelConfig, params: Params):
+    """The [V, D] matrix the logits are computed against: the tied embedding or the LM head."""
+    return params["embed"] if cfg.tie_embeddings else params["lm_head"]
+
+
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):
     """Vocabulary logits in f32: h @ W^T with W the tied embedding or the LM head."""
-    w_vd = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    w_vd = output_embedding(cfg, params)
     b, t, d = h_btd.shape
     logits = jax.lax.dot_general(h_btd.reshape(b * t, d), w_vd.astype(h_btd.dtype), (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32).reshape(b, t, -1)

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from rljax.models import ModelConfig, init_params
 from rljax.rewards import as_callback
-from rljax.sharding import Layout
+from rljax.sharding import Layout, abstract_like
 from rljax.sharding.rules import batch_axes
 from rljax.train import setup
 from rljax.train.config import TrainConfig
@@ -151,13 +151,6 @@ def abstract_train_state(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainState
     return jax.eval_shape(init)
 
 
-def with_shardings(tree, shardings):
-    """ShapeDtypeStructs carrying `shardings` (None: no sharding, one device)."""
-    if shardings is None:
-        return tree
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def device_bytes(tree) -> int:
     """Bytes one device holds of `tree`'s ShapeDtypeStructs: each leaf's shard (or all of it)."""
     total = 0
@@ -215,7 +208,7 @@ class _Pieces:
             model_cfg = setup.policy_config(cfg.model, tokenizer)
         trainer, sampler = setup.build_layouts(cfg.mesh)
         state = abstract_state_in(cfg, model_cfg, trainer)
-        params = state.params if sampler is None else with_shardings(state.params, sampler.params(state.params))
+        params = state.params if sampler is None else abstract_like(state.params, sampler.params(state.params))
         callback = as_callback(setup.build_reward(cfg.reward), lambda ids: [""] * len(ids), ())  # never called
         return cls(cfg, model_cfg, trainer, sampler, state, params, abstract_prompts(cfg, sampler or trainer),
                    _controls(cfg, model_cfg, tokenizer), callback)
@@ -267,7 +260,7 @@ class _Pieces:
         if self.trainer is None:
             return ProgramMemory.compile(jax.jit(update_program, donate_argnums=(0,)), self.state, batch, key)
         state_sh, batch_sh = _shardings(self.state), _rows_sharding(self.trainer, self.rows)
-        batch = with_shardings(batch, jax.tree.map(lambda _: batch_sh, batch))
+        batch = abstract_like(batch, jax.tree.map(lambda _: batch_sh, batch))
         jitted = jax.jit(update_program, donate_argnums=(0,), in_shardings=(state_sh, batch_sh, self.trainer.replicated),
                          out_shardings=(state_sh, self.trainer.replicated))
         return ProgramMemory.compile(jitted, self.state, batch, key)
@@ -309,7 +302,7 @@ def _shardings(tree):
 def abstract_state_in(cfg: TrainConfig, model_cfg: ModelConfig, layout: Layout | None) -> TrainState:
     """The abstract train state placed in `layout` (the trainer's), as the run places the real one."""
     state = abstract_train_state(cfg, model_cfg)
-    return state if layout is None else with_shardings(state, layout.tree(state))
+    return state if layout is None else abstract_like(state, layout.tree(state))
 
 
 def abstract_prompts(cfg: TrainConfig, layout: Layout | None) -> tuple[Any, Any, Any]:
