@@ -228,6 +228,11 @@ def test_distributed_config_from_env_and_errors():
                                                "RLJAX_NUM_PROCESSES": "4", "RLJAX_PROCESS_ID": "3"})
     assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.enabled) == ("10.0.0.1:1234", 4, 3, True)
     assert sharding.DistributedConfig.from_env({"RLJAX_DISTRIBUTED": "auto"}).auto
+    # A launcher's explicit coordinator wins over auto-detection (the fake TPU pod in
+    # test_launch_tpu relies on it). Catches: auto taking precedence and ignoring the address.
+    both = sharding.DistributedConfig.from_env({"RLJAX_DISTRIBUTED": "auto", "RLJAX_COORDINATOR_ADDRESS": "h:1",
+                                                "RLJAX_NUM_PROCESSES": "2", "RLJAX_PROCESS_ID": "1"})
+    assert (both.auto, both.coordinator_address, both.process_id) == (False, "h:1", 1)
     with pytest.raises(ConfigError, match="together"):
         sharding.DistributedConfig(coordinator_address="h:1")
     with pytest.raises(ConfigError, match=r"in \[0, 2\)"):

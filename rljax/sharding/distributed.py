@@ -59,7 +59,8 @@ class DistributedConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DistributedConfig:
         """Reads RLJAX_COORDINATOR_ADDRESS, RLJAX_NUM_PROCESSES, RLJAX_PROCESS_ID (explicit) or
-        RLJAX_DISTRIBUTED=auto; none of them set means a single-process run."""
+        RLJAX_DISTRIBUTED=auto (ignored when the explicit ones are set); none of them set means a
+        single-process run."""
         env = os.environ if env is None else env
         kwargs: dict = {}
         for field, var in _ENV.items():
@@ -71,7 +72,9 @@ class DistributedConfig:
                     except ValueError:
                         raise ConfigError(f"{var}={env[var]!r} must be an integer") from None
                 kwargs[field] = value
-        auto = env.get("RLJAX_DISTRIBUTED", "").lower() == "auto"
+        # Explicit variables win over auto-detection: a launcher that knows the coordinator (a
+        # local stand-in for a pod, an SSH cluster) overrides what the platform would detect.
+        auto = env.get("RLJAX_DISTRIBUTED", "").lower() == "auto" and not kwargs
         return cls(auto=auto, **kwargs)
 
 
