@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +36,12 @@ class Emulator:
     @property
     def env(self) -> dict[str, str]:
         """The variables a process (this one or a child) needs to reach this emulator for gs://."""
+        # gcsfs's default class first asks the Storage Control API (gRPC, which the emulator lacks)
+        # for each bucket's layout; the answer for an ordinary bucket is the plain client, so the
+        # plain client is used here (read when gcsfs is imported).
         return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "rljax-test"}
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "rljax-test",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
     def uri(self, *parts: str) -> str:
         return "/".join((f"gs://{self.bucket}", *parts))
@@ -63,6 +68,7 @@ def running(root: Path) -> Iterator[Emulator]:
     port = _free_port()
     server = create_server("127.0.0.1", port, in_memory=False, default_bucket=BUCKET, data_dir=str(root))
     server.start()
+    _quiet_disconnects(server._api._httpd)
     emulator = Emulator(url=f"http://127.0.0.1:{port}", root=Path(root), bucket=BUCKET)
     saved = {k: os.environ.get(k) for k in emulator.env}
     os.environ.update(emulator.env)
@@ -80,8 +86,25 @@ def running(root: Path) -> Iterator[Emulator]:
 
 
 def _forget_clients() -> None:
-    """fsspec caches filesystem instances, and a cached gcsfs keeps the endpoint it was made with."""
+    """fsspec caches filesystem instances, and a cached gcsfs keeps the endpoint it was made with;
+    etils epath keeps its own cache of the instance it got from fsspec."""
     with contextlib.suppress(ImportError):
         import gcsfs
 
         gcsfs.GCSFileSystem.clear_instance_cache()
+    with contextlib.suppress(ImportError):
+        from etils.epath import backend
+
+        backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+def _quiet_disconnects(httpd) -> None:
+    """gcsfs may close a connection before reading a whole reply; the server would print each
+    such BrokenPipeError as a traceback. Other errors are still printed."""
+    default = httpd.handle_error
+
+    def handle_error(request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            default(request, client_address)
+
+    httpd.handle_error = handle_error

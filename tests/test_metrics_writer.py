@@ -19,7 +19,7 @@ SAMPLES = [
 ]
 
 
-def _tensorboard_texts(logdir: Path) -> list[tuple[int, str, str]]:
+def tensorboard_texts(logdir: Path) -> list[tuple[int, str, str]]:
     """(step, tag, text) of every text summary in the event files, read from the TFRecord framing
     (u64 length, u32 crc, payload, u32 crc) with the Event proto."""
     found = []
@@ -52,7 +52,7 @@ def test_samples_go_to_jsonl_and_tensorboard_text(tmp_path):
          "reward_parts": {}},
         {"step": 5, "example_id": None, "prompt": "2+2=", "completion": "4", "reward": 1.0, "reward_parts": {}},
     ]
-    texts = _tensorboard_texts(tmp_path / "tensorboard")
+    texts = tensorboard_texts(tmp_path / "tensorboard")
     assert [(step, tag.split("/")[0]) for step, tag, _ in texts] == [(3, "samples"), (5, "samples")]
     first = texts[0][2]
     assert "reward 1.5 (correct 1, format 0.5), example train-7" in first

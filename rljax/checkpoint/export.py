@@ -1,8 +1,14 @@
-"""From an rljax checkpoint directory to (ModelConfig, params), and on to HF safetensors."""
+"""From an rljax checkpoint directory to (ModelConfig, params), and on to HF safetensors.
+
+Either end may be an object-store URI: a run trained on a pod to `gs://bucket/run` exports from
+there, and an export to a URI is written to a local scratch directory first and then uploaded
+file by file (the safetensors writer needs a local file).
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import jax
 
@@ -10,6 +16,7 @@ from rljax.checkpoint.manager import Checkpointer
 from rljax.checkpoint.tree_check import model_config_from_dict
 from rljax.errors import CheckpointError
 from rljax.models import ModelConfig, init_params, save_hf
+from rljax.storage import as_path, is_remote, upload_tree
 
 
 def load_params(directory: str | os.PathLike, step: int | str | None = None) -> tuple[ModelConfig, dict]:
@@ -19,7 +26,7 @@ def load_params(directory: str | os.PathLike, step: int | str | None = None) -> 
     so no model code needs to be told the architecture.
     """
     directory = os.fspath(directory)
-    if not os.path.isdir(directory):
+    if not as_path(directory).is_dir():
         raise CheckpointError(f"checkpoint directory {directory!r} does not exist; check the path")
     ckpt = Checkpointer(directory, read_only=True)
     try:
@@ -41,5 +48,10 @@ def export_hf(directory: str | os.PathLike, out_dir: str | os.PathLike, step: in
     Tokenizer files are not part of an rljax checkpoint; copy them next to the weights.
     """
     cfg, params = load_params(directory, step)
-    save_hf(cfg, params, os.fspath(out_dir))
+    if not is_remote(out_dir):
+        save_hf(cfg, params, os.fspath(out_dir))
+        return cfg
+    with tempfile.TemporaryDirectory(prefix="rljax-export-") as scratch:
+        save_hf(cfg, params, os.path.join(scratch, "model"))
+        upload_tree(os.path.join(scratch, "model"), out_dir)
     return cfg

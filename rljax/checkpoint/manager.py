@@ -15,6 +15,10 @@ commit, so a save killed midway is never taken as the latest; leftover tmp dirs 
 when a `Checkpointer` opens the directory. The last `keep_last` checkpoints are kept, plus the
 best one by `best_metric` when given. Typed PRNG keys are stored as `jax.random.key_data` plus
 the implementation name and rebuilt with `jax.random.wrap_key_data`, bit for bit.
+
+`directory` may be an object-store URI (``gs://bucket/run/checkpoints``): it reaches orbax as
+given, so every process of a multi-host run writes its shards to the same place and any of them
+can resume. A local directory is made absolute (orbax requires it).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from orbax.checkpoint import checkpoint_managers
 from rljax.checkpoint.tree_check import check_fits, check_model_config, model_config_from_dict
 from rljax.errors import CheckpointError
 from rljax.models import ModelConfig
+from rljax.storage import absolute
 
 FORMAT = 1
 _TREES = ("params", "opt_state", "extra")
@@ -96,7 +101,7 @@ class Checkpointer:
             raise CheckpointError(f"keep_last={keep_last} must be >= 1")
         if best_mode not in ("max", "min"):
             raise CheckpointError(f"best_mode={best_mode!r}; choose 'max' or 'min'")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = absolute(directory)  # a URI stays whole: os.path would make it a local path
         self.best_metric = best_metric
         policies = [checkpoint_managers.LatestN(n=keep_last)]
         best_fn = None

@@ -3,20 +3,26 @@
 Every source returns a `TaskSource`: a tuple of `Example`s plus how many rows were skipped
 (malformed rows are counted, never fatal) and, for generated tasks, the generator's own scorer.
 A missing file or an unknown task is a `DataError` with one line. `load_task(kind, **kwargs)`
-dispatches on the source name so a config can choose it.
+dispatches on the source name so a config can choose it. File paths may be object-store URIs
+(``gs://bucket/train.jsonl``): files are read through `rljax.storage`, so every host of a pod
+reads the same data without copying it first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from etils import epath
+
 from rljax.data.example import Example, as_messages
 from rljax.errors import ConfigError, DataError
+from rljax.storage import as_path
 
 _MAX_REASONS = 5
 
@@ -122,11 +128,12 @@ def _collect(name: str, rows: Iterable[tuple[str, Any]], fields: FieldMap) -> Ta
     return TaskSource(name=name, examples=tuple(examples), num_skipped=skipped, skip_reasons=tuple(reasons))
 
 
-def _existing(path: str | os.PathLike, kind: str) -> str:
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise DataError(f"{kind} file {path!r} does not exist; check the data path")
-    return path
+def _existing(path: str | os.PathLike, kind: str) -> epath.Path:
+    """`path` as a local or remote file path, or a DataError when no such file exists."""
+    file = as_path(path)
+    if not file.is_file():
+        raise DataError(f"{kind} file {os.fspath(path)!r} does not exist; check the data path")
+    return file
 
 
 def from_jsonl(path: str | os.PathLike, fields: FieldMap = FieldMap()) -> TaskSource:
@@ -135,11 +142,10 @@ def from_jsonl(path: str | os.PathLike, fields: FieldMap = FieldMap()) -> TaskSo
     A line that is not valid JSON, not an object, or lacks the prompt/answer field is skipped
     and counted in `num_skipped` (with the first few reasons in `skip_reasons`).
     """
-    path = _existing(path, "JSONL")
-    stem = os.path.splitext(os.path.basename(path))[0]
+    file = _existing(path, "JSONL")
 
     def rows():
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with file.open("rb") as raw, io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as f:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -147,23 +153,23 @@ def from_jsonl(path: str | os.PathLike, fields: FieldMap = FieldMap()) -> TaskSo
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
                     row = ValueError(f"invalid JSON ({err.msg})")
-                yield f"{stem}:{line_no}", row
+                yield f"{file.stem}:{line_no}", row
 
-    return _collect(f"jsonl:{path}", rows(), fields)
+    return _collect(f"jsonl:{file}", rows(), fields)
 
 
 def from_parquet(path: str | os.PathLike, fields: FieldMap = FieldMap()) -> TaskSource:
     """Examples from a Parquet file (read with pyarrow); bad rows are skipped and counted."""
     import pyarrow.parquet as pq
 
-    path = _existing(path, "Parquet")
+    file = _existing(path, "Parquet")
     try:
-        table = pq.read_table(path)
+        with file.open("rb") as f:
+            table = pq.read_table(f)
     except Exception as err:  # pyarrow raises several types for a corrupt file
-        raise DataError(f"Parquet file {path!r} cannot be read: {type(err).__name__}") from None
-    stem = os.path.splitext(os.path.basename(path))[0]
-    rows = ((f"{stem}:{i}", row) for i, row in enumerate(table.to_pylist()))
-    return _collect(f"parquet:{path}", rows, fields)
+        raise DataError(f"Parquet file {os.fspath(file)!r} cannot be read: {type(err).__name__}") from None
+    rows = ((f"{file.stem}:{i}", row) for i, row in enumerate(table.to_pylist()))
+    return _collect(f"parquet:{file}", rows, fields)
 
 
 def _decode(value: Any) -> Any:

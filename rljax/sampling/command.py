@@ -33,7 +33,11 @@ def _sample(args) -> int:
     from rljax.errors import CheckpointError, DataError
     from rljax.models import load_hf
     from rljax.sampling import SampleControls, stream
+    from rljax.storage import copy_locally_hint, is_remote
 
+    if is_remote(args.checkpoint):  # the safetensors reader maps local files
+        raise CheckpointError(f"--checkpoint {args.checkpoint} is remote; copy it here first "
+                              f"({copy_locally_hint(args.checkpoint)}) and pass the local directory")
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt} has no config.json; pass a Hugging Face checkpoint directory")

@@ -59,15 +59,15 @@ def _check_memory(cfg) -> None:
 
 
 def _run_config(run_dir: str, step: str):
-    """The run's TrainConfig and the step number that `step` ('best', 'latest' or a number) names."""
-    from pathlib import Path
-
+    """The run's TrainConfig and the step number that `step` ('best', 'latest' or a number) names.
+    `run_dir` may be a URI (gs://bucket/run): a pod's run is evaluated or exported from its bucket."""
     from rljax.checkpoint import Checkpointer
     from rljax.config_io import build
     from rljax.errors import CheckpointError, ConfigError
+    from rljax.storage import as_path
     from rljax.train.config import TrainConfig
 
-    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt_dir = as_path(run_dir) / "checkpoints"
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{run_dir} has no checkpoints/ directory; pass a run directory made by rljax train")
     if step not in ("best", "latest") and not step.isdigit():

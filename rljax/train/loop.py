@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import numpy as np
+from etils import epath
 
 from rljax.checkpoint import Checkpointer
 from rljax.data.example import verifier_metadata
@@ -37,6 +37,7 @@ from rljax.evaluation.runner import EvalSetup, greedy_accuracy
 from rljax.rewards import as_callback
 from rljax.sampling import SampleControls
 from rljax.sharding import Layout, abstract_like, global_batch, process_rows
+from rljax.storage import check_writable
 from rljax.train import setup
 from rljax.train.config import TrainConfig
 from rljax.train.iteration import make_iteration, make_split_iteration
@@ -48,12 +49,12 @@ from rljax.update import TrainState, init_train_state, reset_reference
 
 @dataclasses.dataclass
 class RunResult:
-    output_dir: Path
+    output_dir: epath.Path  # local or a URI (gs://...)
     state: TrainState
     history: list[dict[str, Any]]
     start_accuracy: float | None
     final_accuracy: float | None
-    plot: Path | None
+    plot: epath.Path | None
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ class Run:
     """The pieces of a run, built once from its config (`build_run`)."""
 
     cfg: TrainConfig
-    out: Path
+    out: epath.Path  # output_dir: local or a URI (gs://...), never a collapsed pathlib.Path
     keys: dict[str, jax.Array]  # init, warm, loop
     trainer_layout: Layout | None
     sampler_layout: Layout | None
@@ -120,11 +121,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
 
 def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     """Tokenizer, policy, splits, reward, prompt pipeline, evaluator, metrics writer, checkpointer."""
-    out = Path(cfg.output_dir)
+    out = check_writable(cfg.output_dir)  # a missing bucket or permission stops here, with the fix
     if not resume and any((out / "checkpoints").glob("[0-9]*")):
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run, or set "
                               f"output_dir=... for a new one")
-    out.mkdir(parents=True, exist_ok=True)
     k_init, k_warm, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
     trainer_layout, sampler_layout = setup.build_layouts(cfg.mesh)
     tokenizer = setup.build_tokenizer(cfg.model)

@@ -4,20 +4,34 @@ Only process 0 writes (multi-host runs call this on every process; the others ar
 
 A wandb run's id is kept in the output directory (`wandb_run_id.txt`), so a resumed training run
 (`resume=True`) continues the same wandb run instead of starting a new one.
+
+The output directory may be an object-store URI (`gs://bucket/run`). An object cannot be appended
+to and tensorboardX writes local files only, so then the files are written in a local staging
+directory and each changed file is uploaded whole after every write (`rljax.storage.Mirror`): a
+run killed at any point leaves its JSONL rows in the bucket, and re-sending a file that grows by
+one row per step is small beside an RL iteration. TensorBoard events arrive as tensorboardX's
+writer thread writes them, all of them at `close`. A resumed run first pulls the JSONL files
+back and appends to them. A local directory is written in place, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rljax.errors import ConfigError
+from etils import epath
 
+from rljax.errors import ConfigError
+from rljax.storage import Mirror, as_path, is_remote
+
+METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id.txt"
 SAMPLES_FILE = "samples.jsonl"
 
@@ -73,26 +87,41 @@ class MetricsWriter:
     `write_samples` logs sampled completions with their rewards to `samples.jsonl`, TensorBoard
     text and a wandb table. With `wandb_project`, the wandb run id is stored in
     `out_dir/wandb_run_id.txt`; `resume=True` continues that run.
+
+    `out_dir` is where the files end up (local or a URI); `path` and `samples_path` are the files
+    written on this machine: in `out_dir` itself, or the staging copies of a remote `out_dir`. A
+    disabled writer (processes other than 0) writes nothing and reads `out_dir`.
     """
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: dict | None = None, enabled: bool = True, resume: bool = False):
+    def __init__(self, out_dir: str | Path | epath.Path, *, tensorboard: bool = True,
+                 wandb_project: str | None = None, config: dict | None = None, enabled: bool = True,
+                 resume: bool = False):
         self.enabled = enabled
-        self.out_dir = Path(out_dir)
-        self.path = self.out_dir / "metrics.jsonl"
-        self.samples_path = self.out_dir / SAMPLES_FILE
+        remote = is_remote(out_dir)
+        self.out_dir = as_path(out_dir) if remote else Path(out_dir)
+        self._mirror = Mirror(self.out_dir) if enabled and remote else None
+        self._dir = self._mirror.local if self._mirror is not None else self.out_dir  # where files are written
+        self.path = self._dir / METRICS_FILE
+        self.samples_path = self._dir / SAMPLES_FILE
         self.wandb_run_id: str | None = None
         self._tb = self._wandb = None
         if not enabled:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            for path in (self.path, self.samples_path):
-                path.unlink(missing_ok=True)
+        if self._mirror is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume and self._mirror is not None:
+            self._mirror.pull(METRICS_FILE, SAMPLES_FILE, WANDB_ID_FILE)
+        if not resume:  # a fresh run's logs start empty, here and (when remote) in the bucket
+            for name in (METRICS_FILE, SAMPLES_FILE):
+                (self._dir / name).unlink(missing_ok=True)
+                if self._mirror is not None and (self.out_dir / name).exists():
+                    (self.out_dir / name).unlink()
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            # tensorboardX names its file by the second and host: a suffix keeps a run resumed
+            # within the same second from overwriting the earlier file (in a bucket: replacing it).
+            self._tb = SummaryWriter(str(self._dir / "tensorboard"), filename_suffix=f".{uuid.uuid4().hex[:8]}")
         if wandb_project:
             self._wandb = self._init_wandb(wandb_project, config, resume)
             self.wandb_run_id = self._wandb.id
@@ -102,13 +131,22 @@ class MetricsWriter:
             import wandb
         except ImportError:
             raise ConfigError("metrics.wandb_project is set but wandb is not installed; pip install wandb") from None
-        id_file = self.out_dir / WANDB_ID_FILE
+        id_file = self._dir / WANDB_ID_FILE
         if resume and id_file.is_file():  # continue the run this directory started
             run = wandb.init(project=project, config=config, id=id_file.read_text().strip(), resume="allow")
         else:
             run = wandb.init(project=project, config=config)
         id_file.write_text(run.id + "\n")
+        self._sync()
         return run
+
+    def _sync(self) -> None:
+        """Uploads what changed to a remote `out_dir` (after flushing what TensorBoard has written)."""
+        if self._mirror is None:
+            return
+        if self._tb is not None:
+            self._tb.flush()
+        self._mirror.push()
 
     def truncate_after(self, step: int) -> None:
         """On resume, drops rows past the restored step so the logs match an uninterrupted run."""
@@ -118,12 +156,13 @@ class MetricsWriter:
             if path.exists():
                 rows = [r for r in _read_jsonl(path) if r.get("step", -1) <= step]
                 path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        self._sync()
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         row = {"step": int(step), "time": time.time()}
-        row.update({k: _plain(v) for k, v in metrics.items()})
+        row.update({k: _plain(v) for k, v in metrics.items() if k != "step"})  # the step stays an int
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         scalars = {k: v for k, v in row.items() if k not in ("step", "time") and v is not None and math.isfinite(v)}
@@ -132,6 +171,7 @@ class MetricsWriter:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+        self._sync()
 
     def write_samples(self, step: int, samples: Sequence[SampleRecord | Mapping[str, Any]]) -> None:
         """Logs sampled completions of `step`: one JSON row each in `samples.jsonl`, one markdown
@@ -156,6 +196,7 @@ class MetricsWriter:
             data = [[int(step), r.example_id, r.prompt, r.completion, float(r.reward),
                      *(r.reward_parts.get(k) for k in parts)] for r in records]
             self._wandb.log({"samples": wandb.Table(columns=columns, data=data)}, step=step)
+        self._sync()
 
     def read(self) -> list[dict[str, Any]]:
         return _read_jsonl(self.path)
@@ -164,21 +205,24 @@ class MetricsWriter:
         return _read_jsonl(self.samples_path)
 
     def close(self) -> None:
+        """Closes the writers and copies their last output up; `read` still works afterwards."""
+        self._sync()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path | epath.Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_curves(rows: list[dict[str, Any]], path: str | Path,
-                keys: tuple[str, ...] = ("rollout/reward_mean", "eval/accuracy")) -> Path | None:
-    """Plots the named metrics against step into one PNG (one panel per metric present)."""
+def plot_curves(rows: list[dict[str, Any]], path: str | Path | epath.Path,
+                keys: tuple[str, ...] = ("rollout/reward_mean", "eval/accuracy")) -> epath.Path | None:
+    """Plots the named metrics against step into one PNG (one panel per metric present) at
+    `path`, a local path or a URI (the PNG is rendered in memory and written in one piece)."""
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's (e.g. a notebook's) backend alone
 
     present = [k for k in keys if any(r.get(k) is not None for r in rows)]
@@ -193,6 +237,8 @@ def plot_curves(rows: list[dict[str, Any]], path: str | Path,
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    path = as_path(path)
+    path.write_bytes(png.getvalue())
     return path
