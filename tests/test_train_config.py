@@ -46,6 +46,9 @@ def test_overrides_are_typed_and_reach_nested_sections():
     ("update.num_minibatches=3", "must be divisible by update.num_minibatches"),
     ("algorithm.gamma=0.9", "gamma=0.9 has no effect on advantage='grpo'"),
     ("rl.reference_reset_every=5", "rl.reference_reset_every=5 needs a KL reference: set algorithm.kl_coef > 0"),
+    # A model in a bucket is not read in place: the line gives the copy command (not "gs:/b/m has no config.json").
+    ("model.checkpoint=gs://b/qwen", "model.checkpoint='gs://b/qwen': a model is read from a local directory; "
+                                     "copy it first (gcloud storage cp -r gs://b/qwen .)"),
 ])
 def test_bad_config_is_one_clear_line(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from rljax.config_io import apply_overrides, build, load_toml, to_dict
 from rljax.errors import ConfigError
+from rljax.storage import copy_locally_hint, is_remote
 from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig
@@ -45,6 +46,11 @@ class ModelSection:
         if self.checkpoint is None and self.tokenizer is None:
             raise ConfigError("model: set model.checkpoint (a HF directory) or model.tokenizer "
                               "(e.g. 'chars:0123456789+-= ') for a from-scratch model")
+        for name in ("checkpoint", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and is_remote(value):
+                raise ConfigError(f"model.{name}={value!r}: a model is read from a local directory; copy it "
+                                  f"first ({copy_locally_hint(value)}) and set model.{name} to the copy")
 
 
 @dataclasses.dataclass(frozen=True)
