@@ -42,3 +42,21 @@ same_versions() {
 version_of() {
   sed -n 's/^version = "\(.*\)"/\1/p' "$1/pyproject.toml" | head -n 1
 }
+
+# Sets `wheel` to a wheel of the checkout at $1, built with `pip wheel --no-deps` into
+# $1/build/launch (the code the user has; PyPI's `rljax` is an unrelated project). $2 names the
+# calling script in the error line. Used by gpu_ssh.sh and gpu_slurm.sbatch.
+checkout_wheel() {
+  local root="$1" out="$1/build/launch"
+  run python3 -m pip wheel --no-deps --quiet --wheel-dir "$out" "$root"
+  wheel="$out/rljax-$(version_of "$root")-py3-none-any.whl"
+  [[ "${dry_run:-0}" == 1 || -f "$wheel" ]] || { echo "$2: pip wheel wrote no $wheel; pass --wheel PATH" >&2; return 2; }
+}
+
+# Fails with one line when the pip spec $2 names PyPI's unrelated `rljax` ($1: the calling script).
+refuse_pypi_rljax() {
+  if [[ "$2" == "rljax" || "$2" == rljax[=\<\>~\[]* ]]; then
+    echo "$1: --pip-spec $2 would install the unrelated PyPI project named rljax; pass --wheel PATH or a git URL" >&2
+    return 2
+  fi
+}

@@ -19,3 +19,7 @@ class CheckpointError(RljaxError):
 
 class DataError(RljaxError):
     """A data source that is missing or malformed."""
+
+
+class LaunchError(RljaxError):
+    """A multi-host run that cannot start, e.g. a worker that cannot reach the coordinator."""

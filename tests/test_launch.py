@@ -104,26 +104,75 @@ def test_tpu_missing_name_is_one_clear_line():
     assert result.returncode == 2 and result.stderr.strip() == "tpu.sh: --name is required"
 
 
-def test_gpu_ssh_dry_run_sets_rank_env_per_host():
-    """Over SSH, every host gets a version check, then process i gets the coordinator (first host,
-    without user@), the process count and its id."""
-    cmds = _dry_run("launch/gpu_ssh.sh", "--hosts", "me@gpu0,gpu1", "--port", "4242", "--dry-run",
-                    "--", "--config", "c.toml")
-    assert [c[:3] for c in cmds[:2]] == [["ssh", "-o", "BatchMode=yes"]] * 2
-    assert all("rljax-versions" in c[-1] for c in cmds[:2])
+def test_gpu_ssh_dry_run_installs_checks_then_runs_each_host_as_a_process_group():
+    """Over SSH: a wheel of this checkout, copied into every host's workdir and installed there
+    with jax[cuda12] and the [gcs] extra; a version check on every host; then process i gets the
+    coordinator (first host, without user@), the process count and its id, runs in its own process
+    group (setsid) whose id goes to rljax-train.pid with this invocation's run id, and refuses to
+    start beside a live earlier run. `--stop` kills each host's recorded group, whichever run it
+    is. Catches: installing from PyPI, an install that misses a host, a run the cleanup cannot
+    find (no pid file, no own group)."""
+    cmds = _dry_run("launch/gpu_ssh.sh", "--hosts", "me@gpu0,gpu1", "--port", "4242", "--workdir", "runs/a",
+                    "--activate", "venv/bin/activate", "--dry-run", "--", "--config", "c.toml")
+    wheel = os.path.join(ROOT, "build", "launch", f"rljax-{_version()}-py3-none-any.whl")
+    prefix = "cd runs/a && source venv/bin/activate && "
+    assert cmds[0] == ["python3", "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir",
+                       os.path.join(ROOT, "build", "launch"), ROOT]
     for i, host in enumerate(["me@gpu0", "gpu1"]):
-        assert cmds[2 + i] == ["ssh", "-tt", "-o", "BatchMode=yes", host,
-                               f"env RLJAX_COORDINATOR_ADDRESS=gpu0:4242 RLJAX_NUM_PROCESSES=2 "
-                               f"RLJAX_PROCESS_ID={i} python3 -m rljax train --config c.toml"]
+        assert cmds[1 + 3 * i: 4 + 3 * i] == [
+            ["ssh", "-o", "BatchMode=yes", host, "mkdir -p runs/a"],
+            ["scp", "-q", "-o", "BatchMode=yes", wheel, f"{host}:runs/a/"],
+            ["ssh", "-o", "BatchMode=yes", host, f"{prefix}python3 -m pip install --upgrade "
+             f"'jax[cuda12]>=0.10.2,<0.11' './{os.path.basename(wheel)}[gcs]'"]]
+        assert cmds[7 + i][:4] == ["ssh", "-o", "BatchMode=yes", host] and "rljax-versions" in cmds[7 + i][4]
+        train = cmds[9 + i]
+        assert train[:4] == ["ssh", "-o", "BatchMode=yes", host] and train[4].startswith(
+            f"{prefix}{{ if [ -f rljax-train.pid ] && read -r pg _ < rljax-train.pid "
+            "&& kill -0 -- -$pg 2>/dev/null; then")
+        assert (f"; env RLJAX_COORDINATOR_ADDRESS=gpu0:4242 RLJAX_NUM_PROCESSES=2 RLJAX_PROCESS_ID={i} setsid "
+                "python3 -m rljax train --config c.toml < /dev/null 2>&1 & echo \"$! ") in train[4]
+        assert train[4].endswith('" > rljax-train.pid; wait $!; status=$?; rm -f rljax-train.pid; exit $status; }')
+    assert len(cmds) == 11
+    stop = _dry_run("launch/gpu_ssh.sh", "--hosts", "me@gpu0,gpu1", "--workdir", "runs/a", "--stop", "--dry-run")
+    assert [c[:4] for c in stop] == [["ssh", "-o", "BatchMode=yes", h] for h in ("me@gpu0", "gpu1")]
+    assert all(c[4].startswith("cd runs/a && if [ -f rljax-train.pid ]; then read -r pg id < rljax-train.pid; "
+                               "if [ -z '' ] || [ \"$id\" = '' ]; then kill -s TERM -- -$pg") for c in stop)
 
 
-def test_slurm_dry_run_checks_versions_then_sruns_train():
-    """The sbatch script checks versions on every node with srun, then runs one task per node."""
-    cmds = _dry_run("launch/gpu_slurm.sbatch", "--dry-run", "--", "--config", "c.toml",
-                    env={"SLURM_JOB_NUM_NODES": "4"})
+def test_gpu_ssh_pip_spec_and_the_pypi_name():
+    """--pip-spec installs that spec on every host (no wheel built or copied); PyPI's unrelated
+    `rljax`, with or without an extra or a version, is refused with one line before any ssh."""
+    cmds = _dry_run("launch/gpu_ssh.sh", "--hosts", "a,b", "--pip-spec", "git+https://example.com/me/rljax@v1",
+                    "--jax", "", "--dry-run")
+    assert cmds[:2] == [["ssh", "-o", "BatchMode=yes", h, "python3 -m pip install --upgrade "
+                         "git+https://example.com/me/rljax@v1"] for h in ("a", "b")]
+    for spec in ("rljax", "rljax[gcs]", "rljax==0.0.4"):
+        result = subprocess.run(["bash", "launch/gpu_ssh.sh", "--hosts", "a,b", "--pip-spec", spec], cwd=ROOT,
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1
+        assert "unrelated PyPI project named rljax" in result.stderr
+
+
+def test_slurm_dry_run_installs_checks_versions_then_sruns_one_task_per_node_with_all_gpus():
+    """The sbatch script builds the submit directory's wheel and installs it once into the
+    --activate environment, checks versions on every node with srun, then runs one task per node
+    whose JAX_LOCAL_DEVICE_IDS lists every GPU it sees (the device ids themselves:
+    tests/test_launch_gpu.py). Catches: installing on every node into one shared venv at once,
+    one task per node without all of its GPUs."""
+    cmds = _dry_run("launch/gpu_slurm.sbatch", "--dry-run", "--activate", "/shared/venv/bin/activate", "--",
+                    "--config", "c.toml", env={"SLURM_JOB_NUM_NODES": "4", "SLURM_SUBMIT_DIR": ROOT})
+    wheel = os.path.join(ROOT, "build", "launch", f"rljax-{_version()}-py3-none-any.whl")
     step = ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c"]
-    assert cmds[0][:-1] == step and "rljax-versions" in cmds[0][-1]
-    assert cmds[1] == [*step, "RLJAX_DISTRIBUTED=auto exec python3 -m rljax train --config c.toml"]
+    assert cmds[0] == ["python3", "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir",
+                       os.path.join(ROOT, "build", "launch"), ROOT]
+    assert cmds[1] == ["bash", "-c", "source /shared/venv/bin/activate && python3 -m pip install --upgrade "
+                       f"'jax[cuda12]>=0.10.2,<0.11' '{wheel}[gcs]'"]
+    assert cmds[2][:-1] == step and "rljax-versions" in cmds[2][-1]
+    assert cmds[3][:-1] == step
+    assert cmds[3][-1].startswith('[ -n "${JAX_LOCAL_DEVICE_IDS:-}" ] || export JAX_LOCAL_DEVICE_IDS=')
+    assert cmds[3][-1].endswith("; source /shared/venv/bin/activate && RLJAX_DISTRIBUTED=auto exec python3 -m rljax "
+                                "train --config c.toml")
+    assert len(cmds) == 4
 
 
 def test_version_check_fails_on_mismatch():

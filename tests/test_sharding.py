@@ -240,6 +240,15 @@ def test_distributed_config_from_env_and_errors():
     with pytest.raises(ConfigError, match="must be an integer"):
         sharding.DistributedConfig.from_env({"RLJAX_COORDINATOR_ADDRESS": "h:1", "RLJAX_NUM_PROCESSES": "two",
                                              "RLJAX_PROCESS_ID": "0"})
+    # The joining deadline (default 300 s) comes from RLJAX_INIT_TIMEOUT and does not turn auto off.
+    # Catches: the variable ignored, or counted as an explicit setting that overrides auto.
+    assert cfg.initialization_timeout == 300
+    timed = sharding.DistributedConfig.from_env({"RLJAX_DISTRIBUTED": "auto", "RLJAX_INIT_TIMEOUT": "30"})
+    assert (timed.auto, timed.initialization_timeout) == (True, 30)
+    with pytest.raises(ConfigError, match="RLJAX_INIT_TIMEOUT='5m' must be a whole number of seconds"):
+        sharding.DistributedConfig.from_env({"RLJAX_DISTRIBUTED": "auto", "RLJAX_INIT_TIMEOUT": "5m"})
+    with pytest.raises(ConfigError, match="positive"):
+        sharding.DistributedConfig.from_env({"RLJAX_DISTRIBUTED": "auto", "RLJAX_INIT_TIMEOUT": "0"})
     assert sharding.initialize(sharding.DistributedConfig()) is False
     assert sharding.main_process_only(lambda: "wrote")() == "wrote"
 
