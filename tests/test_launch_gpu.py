@@ -69,6 +69,24 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _run(args: list[str], *, env: dict[str, str], cwd: Path = ROOT, timeout: float = _TIMEOUT_S) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of a launch command. Past `timeout` it gets SIGTERM first,
+    as a user's Ctrl-C: the script then stops what it started (a SIGKILL would leave the fake
+    hosts' runs behind), and the test fails with the output."""
+    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out = proc.communicate(timeout=30)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        pytest.fail(f"{args[:2]} ran past {timeout} s:\n{out[-3000:]}")
+
+
 def _ssh_env(hosts: Path) -> dict[str, str]:
     return _env(FAKE_SSH_HOSTS=str(hosts), FAKE_SSH_PYTHON=sys.executable)
 
@@ -91,10 +109,9 @@ def test_gpu_ssh_installs_the_wheel_checks_versions_and_trains_on_two_hosts(tmp_
     hosts, out = tmp_path / "hosts", tmp_path / "shared" / "out"
     script = [str(checkout / "launch" / "gpu_ssh.sh"), "--hosts", "localhost,me@127.0.0.1",
               "--workdir", "run", "--port", str(_free_port())]
-    result = subprocess.run(["bash", *script, "--wheel", str(wheel), "--", *TRAIN, f"output_dir={out}"],
-                            env=_ssh_env(hosts), capture_output=True, text=True, timeout=_TIMEOUT_S)
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-3000:]
+    status, log = _run(["bash", *script, "--wheel", str(wheel), "--", *TRAIN, f"output_dir={out}"],
+                       env=_ssh_env(hosts))
+    assert status == 0, log[-3000:]
     assert f"launch: all workers match: python={sys.version.split()[0]}" in log and f"rljax={VERSION}" in log
     for host in ("localhost", "127.0.0.1"):
         assert (hosts / host / "run" / wheel.name).is_file()
@@ -186,10 +203,10 @@ def test_slurm_gives_each_node_all_of_its_gpus(tmp_path):
                      f'exec {sys.executable} "$@"\n')
     probe.chmod(0o755)
     env = _env(PATH=f"{probe.parent}:{_env()['PATH']}", FAKE_SLURM_JOB_ID="4242")
-    result = subprocess.run(["sbatch", f"--output={tmp_path}/rljax-%j.log", "launch/gpu_slurm.sbatch", "--no-install"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    status, out = _run(["sbatch", f"--output={tmp_path}/rljax-%j.log", "launch/gpu_slurm.sbatch", "--no-install"],
+                       env=env, timeout=120)
     log = (tmp_path / "rljax-4242.log").read_text()
-    assert result.returncode == 0 and result.stdout == "Submitted batch job 4242\n", log
+    assert status == 0 and out == "Submitted batch job 4242\n", log
     seen = [json.loads(line.split(" ", 1)[1]) for line in log.splitlines() if line.startswith("probe ")]
     assert sorted(p["process_id"] for p in seen) == [0, 1] and {p["num_processes"] for p in seen} == {2}
     assert {p["coordinator"] for p in seen} == {f"localhost:{4242 % 4096 + 61440}"}
@@ -208,12 +225,10 @@ def test_slurm_installs_the_wheel_once_and_trains_on_two_nodes(tmp_path, checkou
     venv, out = tmp_path / "venv", tmp_path / "out"
     subprocess.run([sys.executable, str(FAKES / "_gpu_python.py"), "make", str(venv)], check=True)
     env = _env(FAKE_SLURM_JOB_ID="77", JAX_COORDINATOR_PORT=str(_free_port()))
-    result = subprocess.run(["sbatch", "--nodes=2", "launch/gpu_slurm.sbatch", "--activate",
-                             str(venv / "bin" / "activate"), "--wheel", str(wheel), "--", *TRAIN,
-                             f"output_dir={out}"], cwd=checkout, env=env, capture_output=True, text=True,
-                            timeout=_TIMEOUT_S)
+    status, _ = _run(["sbatch", "--nodes=2", "launch/gpu_slurm.sbatch", "--activate", str(venv / "bin" / "activate"),
+                      "--wheel", str(wheel), "--", *TRAIN, f"output_dir={out}"], env=env, cwd=checkout)
     log = (checkout / "rljax-77.log").read_text()
-    assert result.returncode == 0, log[-3000:]
+    assert status == 0, log[-3000:]
     assert (venv / "site" / f"rljax-{VERSION}.dist-info").is_dir()
     assert f"launch: all workers match: python={sys.version.split()[0]}" in log and f"rljax={VERSION}" in log
     assert f"rljax: joining localhost:{env['JAX_COORDINATOR_PORT']} as process 1 of 2" in log
