@@ -18,9 +18,10 @@ run() {
   fi
 }
 
-# Prints one line per worker: "rljax-versions python=... jax=... jaxlib=... libtpu=... rljax=...".
+# Prints one line per worker: "rljax-versions python=... jax=... jaxlib=... libtpu=... rljax=...",
+# in one write, so lines from workers printing at once do not interleave (print writes twice).
 # shellcheck disable=SC2034  # used by the scripts that source this file
-versions_py='import sys, importlib.metadata as m; have = {d.metadata["Name"].lower().replace("_", "-") for d in m.distributions()}; print("rljax-versions", "python=" + sys.version.split()[0], *[p + "=" + (m.version(p) if p in have else "none") for p in ("jax", "jaxlib", "libtpu", "rljax")])'
+versions_py='import sys, importlib.metadata as m; have = {d.metadata["Name"].lower().replace("_", "-") for d in m.distributions()}; sys.stdout.write(" ".join(["rljax-versions", "python=" + sys.version.split()[0], *[p + "=" + (m.version(p) if p in have else "none") for p in ("jax", "jaxlib", "libtpu", "rljax")]]) + "\n")'
 
 # Reads the workers' output on stdin; fails unless every "rljax-versions" line is identical.
 same_versions() {
@@ -36,6 +37,29 @@ same_versions() {
     return 1
   fi
   echo "launch: all workers match: ${distinct#rljax-versions }"
+}
+
+# Prints "rljax-devices local=N platform=P host=H": the JAX devices this worker sees (on a TPU
+# host, libtpu's chips; a jax without TPU support falls back to 1 CPU device), in one write.
+# shellcheck disable=SC2034  # used by the scripts that source this file
+devices_py='import jax, socket, sys; sys.stdout.write(" ".join(["rljax-devices", "local=%d" % jax.local_device_count(), "platform=" + jax.default_backend(), "host=" + socket.gethostname()]) + "\n")'
+
+# Reads the workers' output on stdin; fails with one line unless HOSTS ($1) workers sent an
+# "rljax-devices" line and each saw PER_HOST ($2) devices, as the accelerator type $3 implies.
+same_devices() {
+  local hosts="$1" per_host="$2" what="$3" lines count bad
+  lines="$(grep '^rljax-devices' || true)"
+  count="$(grep -c . <<<"$lines" || true)"
+  if (( count != hosts )); then
+    echo "launch: $count workers answered but $what has $hosts hosts; pass the slice's own type (--type), or none to ask gcloud" >&2
+    return 1
+  fi
+  bad="$(grep -v " local=$per_host " <<<"$lines" | head -n 1 || true)"
+  if [[ -n "$bad" ]]; then
+    echo "launch: a worker sees the wrong number of JAX devices (${bad#rljax-devices }) for $what, which has $per_host per host; install jax[tpu] on every worker (setup) and stop any run that holds the TPU (stop)" >&2
+    return 1
+  fi
+  echo "launch: $hosts workers x $per_host JAX devices, as $what implies"
 }
 
 # The version in a checkout's pyproject.toml (the wheel `pip wheel` builds is named after it).

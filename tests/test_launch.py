@@ -28,12 +28,14 @@ def test_scripts_pass_shellcheck():
 
 def test_tpu_up_dry_run_prints_the_gcloud_commands():
     """`up` creates the slice, builds a wheel from this checkout, copies it to all workers and
-    installs it there, checks versions on all workers, starts `python3 -m rljax train` detached on
-    all workers with the given args (no PATH lookup of an `rljax` script), then streams worker 0's
-    log. Catches: installing `rljax` from PyPI (another project), a remote command that needs
-    ~/.local/bin on PATH."""
+    installs it there with its [gcs] extra, checks versions and device counts on all workers,
+    starts `python3 -m rljax train` detached (its own process group, exit status kept) on all
+    workers with the given args and the bucket as output_dir, then streams worker 0's log until
+    the run ends. Catches: installing `rljax` from PyPI (another project), a remote command that
+    needs ~/.local/bin on PATH, a wheel installed without gcsfs, --bucket not reaching output_dir."""
     cmds = _dry_run("launch/tpu.sh", "up", "--name", "rl-pod", "--zone", "us-central2-b", "--type", "v4-32",
-                    "--project", "proj", "--spot", "--dry-run", "--", "--config", "my run.toml")
+                    "--project", "proj", "--spot", "--bucket", "gs://bkt/runs/a", "--dry-run", "--",
+                    "--config", "my run.toml")
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "rl-pod", "--zone=us-central2-b", "--project=proj"]
     assert cmds[0] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "rl-pod", "--zone=us-central2-b",
                        "--project=proj", "--accelerator-type=v4-32", "--version=tpu-ubuntu2204-base", "--spot"]
@@ -43,13 +45,101 @@ def test_tpu_up_dry_run_prints_the_gcloud_commands():
     assert cmds[2] == ["gcloud", "compute", "tpus", "tpu-vm", "scp", wheel, "rl-pod:", "--zone=us-central2-b",
                        "--project=proj", "--worker=all"]
     assert cmds[3] == [*ssh, "--worker=all", "--command=python3 -m pip install --upgrade 'jax[tpu]>=0.10.2,<0.11' "
-                       f"./{os.path.basename(wheel)}"]
+                       f"'./{os.path.basename(wheel)}[gcs]'"]
     assert cmds[4][:-1] == [*ssh, "--worker=all"] and "rljax-versions" in cmds[4][-1]
-    assert "libtpu" in cmds[4][-1] and "jaxlib" in cmds[4][-1]
-    assert cmds[5] == [*ssh, "--worker=all", "--command=RLJAX_DISTRIBUTED=auto nohup python3 -m rljax train "
-                       "--config 'my run.toml' > rljax-train.log 2>&1 < /dev/null & echo $! > rljax-train.log.pid"]
-    assert cmds[6] == [*ssh, "--worker=0", "--command=tail -n +1 -F rljax-train.log"]
+    assert "libtpu" in cmds[4][-1] and "jax.local_device_count()" in cmds[4][-1]
+    assert cmds[5][:-1] == [*ssh, "--worker=all"]
+    launch = shlex.split(cmds[5][-1].removeprefix("--command="))
+    assert launch == ["rm", "-f", "rljax-train.log.exit;", "RLJAX_DISTRIBUTED=auto", "setsid", "nohup", "bash", "-c",
+                      "python3 -m rljax train --config 'my run.toml' output_dir=gs://bkt/runs/a; "
+                      "echo $? > rljax-train.log.exit", ">", "rljax-train.log", "2>&1", "<", "/dev/null", "&", "echo",
+                      "$!", ">", "rljax-train.log.pid"]
+    assert cmds[6][:-1] == [*ssh, "--worker=0"]
+    assert 'tail -n +1 -F --pid="$(cat rljax-train.log.pid)" rljax-train.log' in cmds[6][-1]
+    assert 'exit "$(cat rljax-train.log.exit)"' in cmds[6][-1]
     assert len(cmds) == 7
+
+
+@pytest.mark.parametrize("accelerator, version", [
+    ("v4-16", "tpu-ubuntu2204-base"), ("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v5p-8", "v2-alpha-tpuv5"),
+    ("v6e-8", "v2-alpha-tpuv6e")])
+def test_tpu_runtime_version_follows_the_generation(accelerator, version):
+    """Each generation gets the runtime Google lists for JAX on it (cloud.google.com/tpu/docs/
+    runtimes). Catches: v4's tpu-ubuntu2204-base for every generation (Google lists others for v5e,
+    v5p and v6e)."""
+    cmds = _dry_run("launch/tpu.sh", "create", "--name", "p", "--zone", "us-central2-b", "--type", accelerator,
+                    "--dry-run")
+    assert cmds == [["gcloud", "compute", "tpus", "tpu-vm", "create", "p", "--zone=us-central2-b",
+                     f"--accelerator-type={accelerator}", f"--version={version}"]]
+
+
+def test_tpu_version_override_output_dir_and_resume_dry_run():
+    """--version wins over the generation's default; an output_dir= in the train args wins over
+    --bucket; --resume reaches `rljax train` last (argparse reads it there). Without --type,
+    `train` first asks gcloud for the slice's type. Catches: --version ignored, --bucket
+    clobbering the user's output_dir, a dropped --resume, a check that assumes create's v4-8."""
+    create = _dry_run("launch/tpu.sh", "create", "--name", "p", "--zone", "us-east5-b", "--type", "v6e-16",
+                      "--version", "v2-alpha-tpuv6e-custom", "--dry-run")
+    assert create[0][-1] == "--version=v2-alpha-tpuv6e-custom"
+    train = _dry_run("launch/tpu.sh", "train", "--name", "p", "--zone", "us-east5-b", "--bucket", "gs://b/x",
+                     "--resume", "--dry-run", "--", "rl.iterations=9", "output_dir=gs://b/mine")
+    assert train[0] == ["gcloud", "compute", "tpus", "tpu-vm", "describe", "p", "--zone=us-east5-b",
+                        "--format=value(acceleratorType)"]
+    assert "python3 -m rljax train rl.iterations=9 output_dir=gs://b/mine --resume; " in train[2][-1]
+
+
+def test_tpu_queued_spot_dry_run():
+    """--queued creates through a queued resource named like its node (with --spot), then polls
+    its state; `delete --queued` deletes the queued resource and its node (--force). Catches: a
+    tpu-vm create where capacity comes through the queue, a delete that leaves the queued
+    resource (and its quota) behind."""
+    cmds = _dry_run("launch/tpu.sh", "create", "--name", "q", "--zone", "us-east5-a", "--type", "v5p-16",
+                    "--queued", "--spot", "--project", "pr", "--dry-run")
+    assert cmds == [["gcloud", "compute", "tpus", "queued-resources", "create", "q", "--node-id=q",
+                     "--zone=us-east5-a", "--project=pr", "--accelerator-type=v5p-16",
+                     "--runtime-version=v2-alpha-tpuv5", "--spot"],
+                    ["gcloud", "compute", "tpus", "queued-resources", "describe", "q", "--zone=us-east5-a",
+                     "--project=pr", "--format=value(state.state)"]]
+    delete = _dry_run("launch/tpu.sh", "delete", "--name", "q", "--zone", "us-east5-a", "--queued", "--dry-run")
+    assert delete == [["gcloud", "compute", "tpus", "queued-resources", "delete", "q", "--zone=us-east5-a",
+                       "--force", "--quiet"]]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--zone", "us-central2b"], "tpu.sh: --zone us-central2b is not a zone name; pass REGION-ZONE, e.g. "
+                                 "us-central2-b (gcloud compute zones list)"),
+    (["--type", "v4-7"], "tpu.sh: --type v4-7: v4 sizes count TensorCores (2 per chip, 4 chips per host): v4-8, "
+                         "v4-16, v4-32, ..."),
+    (["--type", "v9-8"], "tpu.sh: --type v9-8: generation v9 is not one this script knows; use v4-N, v5p-N, "
+                         "v5litepod-N or v6e-N"),
+    (["--type", "v6e-12"], "tpu.sh: --type v6e-12: v6e sizes count chips: 1, 4, 8, 16, 32, 64, 128 or 256"),
+    (["--type", "tpu"], "tpu.sh: --type tpu is not an accelerator type; pass GENERATION-SIZE, e.g. v4-16, "
+                        "v5litepod-8"),
+    (["--bucket", "/mnt/runs"], "tpu.sh: --bucket /mnt/runs is a local path, but each worker has its own disk; "
+                                "pass gs://BUCKET/PATH"),
+])
+def test_tpu_bad_input_is_one_line_before_any_gcloud_call(args, line, tmp_path):
+    """Bad zones, types and buckets fail with one line naming the fix (exit 2) before gcloud runs:
+    in --dry-run, and in a real run, where the fake gcloud on PATH records no call. Catches: a typo
+    that reaches gcloud (or a half-created slice) first."""
+    env = {**os.environ, "PATH": f"{os.path.join(ROOT, 'tests', 'launch_fakes')}:{os.environ['PATH']}",
+           "FAKE_GCLOUD_STATE": str(tmp_path)}
+    for dry_run in (["--dry-run"], []):
+        result = subprocess.run(["bash", "launch/tpu.sh", "up", "--name", "p", "--zone", "us-central2-b", *args,
+                                 *dry_run], cwd=ROOT, capture_output=True, text=True, timeout=30, env=env)
+        assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
+    assert not (tmp_path / "calls.log").exists()
+
+
+def test_tpu_v4_outside_its_zone_warns_in_one_line():
+    """v4 outside us-central2-b (the only zone Google lists for it) warns, pointing at the list
+    for that zone, and still prints the create (the list may grow). Catches: a silent mismatch
+    that fails later inside gcloud, or a hard failure once Google adds a zone."""
+    result = subprocess.run(["bash", "launch/tpu.sh", "create", "--name", "p", "--zone", "us-east5-a", "--type",
+                             "v4-8", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.startswith("gcloud compute tpus tpu-vm create p")
+    assert result.stderr == ("tpu.sh: warning: Google lists v4 in us-central2-b only, not us-east5-a; check "
+                             "gcloud compute tpus accelerator-types list --zone=us-east5-a\n")
 
 
 def _version() -> str:
@@ -58,43 +148,26 @@ def _version() -> str:
         return tomllib.load(f)["project"]["version"]
 
 
-def test_tpu_setup_builds_copies_and_installs_the_checkouts_wheel(tmp_path):
-    """`setup` (not a dry run) builds a wheel of this checkout and hands a fake `gcloud` on PATH
-    the file it copies; that wheel exists, holds `rljax/__main__.py` (so `python3 -m rljax` works
-    on the worker), and the install command installs that same file. Catches: a wheel name that
-    does not match what `pip wheel` writes, a wheel without the CLI entry module, installing
-    something other than the copied file."""
-    import zipfile
-    calls = tmp_path / "calls.txt"
-    fake = tmp_path / "bin" / "gcloud"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {calls}\n')
-    fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
-    subprocess.run(["bash", "launch/tpu.sh", "setup", "--name", "p", "--zone", "z"], cwd=ROOT, env=env,
-                   check=True, timeout=300, capture_output=True)
-    scp, install = calls.read_text().splitlines()
-    wheel = scp.split()[4]
-    assert scp.split()[:4] == ["compute", "tpus", "tpu-vm", "scp"] and scp.endswith("p: --zone=z --worker=all")
-    assert "rljax/__main__.py" in zipfile.ZipFile(wheel).namelist()
-    assert install.endswith(f"python3 -m pip install --upgrade 'jax[tpu]>=0.10.2,<0.11' ./{os.path.basename(wheel)}")
-
-
 def test_tpu_refuses_the_pypi_name():
     """`--pip-spec rljax` would install the unrelated PyPI project of that name: one line, exit 2."""
-    result = subprocess.run(["bash", "launch/tpu.sh", "setup", "--name", "p", "--zone", "z", "--pip-spec",
-                             "rljax==0.0.4"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(["bash", "launch/tpu.sh", "setup", "--name", "p", "--zone", "us-central2-b",
+                             "--pip-spec", "rljax==0.0.4"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "unrelated PyPI project" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_tpu_stop_and_delete_dry_run():
-    """`stop` kills the recorded training pid on all workers; `delete` deletes the slice quietly."""
-    stop = _dry_run("launch/tpu.sh", "stop", "--name", "p", "--zone", "z", "--dry-run")
-    assert stop[0][:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "p", "--zone=z", "--worker=all"]
-    assert "kill $(cat rljax-train.log.pid)" in stop[0][8]
-    delete = _dry_run("launch/tpu.sh", "delete", "--name", "p", "--zone", "z", "--dry-run")
-    assert delete == [["gcloud", "compute", "tpus", "tpu-vm", "delete", "p", "--zone=z", "--quiet"]]
+    """`stop` ends the recorded run's whole process group on all workers (SIGTERM, then SIGKILL
+    after the grace period); `delete` deletes the slice quietly. Catches: a stop that kills the
+    wrapper shell only, or sends only SIGTERM, which JAX takes as a preemption notice."""
+    stop = _dry_run("launch/tpu.sh", "stop", "--name", "p", "--zone", "us-central2-b", "--dry-run",
+                    env={"RLJAX_TPU_STOP_GRACE_S": "7"})
+    assert stop[0][:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "p", "--zone=us-central2-b", "--worker=all"]
+    assert stop[0][8].startswith('--command=if [ -f rljax-train.log.pid ]; then p="$(cat rljax-train.log.pid)"; '
+                                 'kill -TERM -- -"$p" 2>/dev/null; for i in $(seq 7); ')
+    assert 'kill -KILL -- -"$p"' in stop[0][8]
+    delete = _dry_run("launch/tpu.sh", "delete", "--name", "p", "--zone", "us-central2-b", "--dry-run")
+    assert delete == [["gcloud", "compute", "tpus", "tpu-vm", "delete", "p", "--zone=us-central2-b", "--quiet"]]
 
 
 def test_tpu_missing_name_is_one_clear_line():
@@ -173,6 +246,22 @@ def test_slurm_dry_run_installs_checks_versions_then_sruns_one_task_per_node_wit
     assert cmds[3][-1].endswith("; source /shared/venv/bin/activate && RLJAX_DISTRIBUTED=auto exec python3 -m rljax "
                                 "train --config c.toml")
     assert len(cmds) == 4
+
+
+def test_device_check_counts_workers_and_devices_per_host():
+    """same_devices passes one line per host with the chips per host, and fails with one line on a
+    missing worker or a worker with another device count (jax without TPU support sees 1).
+    Catches: a check that passes a slice whose jax fell back to CPU, or a worker that never ran."""
+    line = "rljax-devices local={} platform=tpu host=w{}\n"
+    def check(text):
+        return subprocess.run(["bash", "-c", "source launch/lib.sh && same_devices 2 4 v4-16"], cwd=ROOT,
+                              input=text, capture_output=True, text=True, timeout=30)
+    ok = check(line.format(4, 0) + line.format(4, 1))
+    assert ok.returncode == 0 and ok.stdout == "launch: 2 workers x 4 JAX devices, as v4-16 implies\n"
+    missing, cpu = check(line.format(4, 0)), check(line.format(4, 0) + line.format(1, 1))
+    assert missing.returncode == 1 and missing.stderr.startswith("launch: 1 workers answered but v4-16 has 2 hosts")
+    assert cpu.returncode == 1 and len(cpu.stderr.splitlines()) == 1
+    assert "(local=1 platform=tpu host=w1) for v4-16, which has 4 per host; install jax[tpu]" in cpu.stderr
 
 
 def test_version_check_fails_on_mismatch():
