@@ -3,6 +3,11 @@ makes a TPU slice of local processes (one working directory per worker, `--worke
 run concurrently, each worker with its coordinator address, process id and 4 CPU devices as
 its 4 chips). So the script's whole life runs here: create, wheel install, checks, a 2-host
 `rljax train` joined by jax.distributed on localhost, logs, resume, stop and delete.
+
+The run writes to a directory both fake workers share (they are one machine), standing in for
+the pod's gs:// bucket: through tests/gcs_emulator.py's one-request-at-a-time server, a run here
+hung inside orbax's two-process save (a checkpoint half written), so the bucket is tested where
+that cannot happen: --bucket reaching output_dir (test_launch.py), gs:// in rljax (test_storage.py).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def test_pod_lifecycle_trains_checkpoints_resumes_and_tears_down(pod, tmp_path):
     a worker importing the checkout, workers that do not form one job, a checkpoint on one host
     only, a resume that restarts, an exit status lost in the detached run.
     """
-    out = tmp_path / "shared-run"  # the workers of this fake pod share one disk, as a bucket would
+    out = tmp_path / "shared-run"  # the fake pod's workers share this machine's disk, as a bucket
     _tpu(pod, "create", "--type", "v4-16")
     assert _calls(pod) == [f"gcloud compute tpus accelerator-types describe v4-16 --zone={ZONE}",
                            f"gcloud compute tpus tpu-vm create pod --zone={ZONE} --accelerator-type=v4-16 "
@@ -100,7 +105,7 @@ def test_pod_lifecycle_trains_checkpoints_resumes_and_tears_down(pod, tmp_path):
     check, log = first.stdout.split("launch: 2 workers x 4 JAX devices, as v4-16 implies\n")  # train checks first
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert "launch: all workers match: " in check and f"rljax={version}" in check
-    assert "held-out greedy accuracy: " in log  # worker 0's log, streamed until the run ended
+    assert f"checkpoints: {out}/checkpoints" in log  # worker 0's log, streamed until the run ended
     rows = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [0, 1, 2]
     for tree in ("params", "opt_state"):
@@ -111,13 +116,13 @@ def test_pod_lifecycle_trains_checkpoints_resumes_and_tears_down(pod, tmp_path):
     assert again.returncode == 2 and "already holds checkpoints; pass --resume" in again.stdout
 
     resumed = _tpu(pod, "train", "--resume", "--", *_RUN, "rl.iterations=3", f"output_dir={out}")
-    assert f"resumed from {out / 'checkpoints'}/2" in resumed.stdout
+    assert f"resumed from {out}/checkpoints/2" in resumed.stdout
     after = (out / "metrics.jsonl").read_text().splitlines()
     assert after[:3] == rows and json.loads(after[3])["step"] == 3 and len(after) == 4
     assert (out / "checkpoints" / "3" / "params" / "ocdbt.process_1").is_dir()
 
     logs = _tpu(pod, "logs")
-    assert f"resumed from {out / 'checkpoints'}/2" in logs.stdout
+    assert f"resumed from {out}/checkpoints/2" in logs.stdout
     _tpu(pod, "stop")
     assert not (_worker(pod, 0) / "rljax-train.log.pid").exists()
     _tpu(pod, "delete")
