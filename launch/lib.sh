@@ -32,8 +32,13 @@ same_versions() {
     return 1
   fi
   if [[ "$(wc -l <<<"$distinct")" -ne 1 ]]; then
-    echo "launch: workers disagree on versions; install the same jax/jaxlib/libtpu everywhere:" >&2
-    echo "$distinct" >&2
+    # One line: each package whose version differs, with the versions seen (e.g. "jax 0.0.1 vs 0.10.2").
+    local differ
+    differ="$(tr ' ' '\n' <<<"$distinct" | grep '=' | sort -u | cut -d= -f1 | uniq -c \
+      | awk '$1 > 1 {print $2}' | while read -r pkg; do
+          printf '%s %s; ' "$pkg" "$(tr ' ' '\n' <<<"$distinct" | sed -n "s/^$pkg=//p" | sort -u | paste -sd' ' - | sed 's/ / vs /g')"
+        done)"
+    echo "launch: workers disagree on ${differ%; }: run setup again so every worker installs the same wheel and jax" >&2
     return 1
   fi
   echo "launch: all workers match: ${distinct#rljax-versions }"
@@ -69,7 +74,7 @@ version_of() {
 
 # Sets `wheel` to a wheel of the checkout at $1, built with `pip wheel --no-deps` into
 # $1/build/launch (the code the user has; PyPI's `rljax` is an unrelated project). $2 names the
-# calling script in the error line. Used by gpu_ssh.sh and gpu_slurm.sbatch.
+# calling script in the error line.
 checkout_wheel() {
   local root="$1" out="$1/build/launch"
   run python3 -m pip wheel --no-deps --quiet --wheel-dir "$out" "$root"

@@ -86,9 +86,9 @@ die() { echo "tpu.sh: $*" >&2; exit 2; }
 
 [[ -n "$name" ]] || die "--name is required"
 [[ -n "$zone" ]] || die "--zone is required"
-if [[ "$pip_spec" == "rljax" || "$pip_spec" == rljax[=\<\>~]* ]]; then
-  die "--pip-spec $pip_spec would install the unrelated PyPI project named rljax; pass --wheel PATH or a git URL"
-fi
+# shellcheck source=launch/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+refuse_pypi_rljax tpu.sh "$pip_spec" || exit 2
 [[ "$zone" =~ ^[a-z]+-[a-z]+[0-9]+-[a-z0-9]+$ ]] \
   || die "--zone $zone is not a zone name; pass REGION-ZONE, e.g. us-central2-b (gcloud compute zones list)"
 [[ "$queue_timeout" =~ ^[0-9]+$ ]] || die "--queue-timeout $queue_timeout must be a number of seconds"
@@ -135,8 +135,6 @@ if [[ -n "$type" ]]; then
   [[ -n "$version" ]] || version="$(default_version)"
 fi
 
-# shellcheck source=launch/lib.sh
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 gcloud_tpu=(gcloud compute tpus tpu-vm)
 gcloud_queued=(gcloud compute tpus queued-resources)
@@ -207,11 +205,7 @@ create_queued() {
 # The wheel to install: --wheel, else one built from this checkout (the code the user has).
 build_wheel() {
   if [[ -z "$wheel" ]]; then
-    local root out
-    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-    out="$root/build/launch"
-    run python3 -m pip wheel --no-deps --quiet --wheel-dir "$out" "$root"
-    wheel="$out/rljax-$(version_of "$root")-py3-none-any.whl"
+    checkout_wheel "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" tpu.sh || exit 2
   fi
   [[ "$dry_run" == 1 || -f "$wheel" ]] || { echo "tpu.sh: no wheel at $wheel; pass --wheel PATH" >&2; exit 2; }
 }

@@ -39,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in _PREPARE and "jax" not in sys.modules:
         importlib.import_module(_PREPARE[argv[0]]).prepare(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a `nargs="*"` positional at the first option, so `a=1 --resume b=2` would leave
+    # b=2 unparsed: key=value words after an option are overrides too, wherever they stand.
+    if extra and isinstance(getattr(args, "overrides", None), list) \
+            and all("=" in word and not word.startswith("-") for word in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

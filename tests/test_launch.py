@@ -265,7 +265,8 @@ def test_device_check_counts_workers_and_devices_per_host():
 
 
 def test_version_check_fails_on_mismatch():
-    """same_versions passes identical worker reports and fails, listing both, on a mismatch."""
+    """same_versions passes identical worker reports and fails with one line naming the package
+    that differs and both versions. Catches: a mismatch let through, or a header plus raw lines."""
     ok = "rljax-versions jax=0.10.2 libtpu=1\nrljax-versions jax=0.10.2 libtpu=1\n"
     bad = "rljax-versions jax=0.10.2 libtpu=1\nrljax-versions jax=0.10.1 libtpu=1\n"
     def check(text):
@@ -273,4 +274,6 @@ def test_version_check_fails_on_mismatch():
                               capture_output=True, text=True, timeout=30)
     assert check(ok).returncode == 0
     result = check(bad)
-    assert result.returncode == 1 and "jax=0.10.1" in result.stderr and "disagree" in result.stderr
+    assert result.returncode == 1
+    assert result.stderr == ("launch: workers disagree on jax 0.10.1 vs 0.10.2: run setup again so every worker "
+                             "installs the same wheel and jax\n")

@@ -64,6 +64,30 @@ def test_cli_reports_bad_config_without_traceback(tmp_path):
     assert "unknown config key 'rl.bogus'" in proc.stderr
 
 
+def test_overrides_may_stand_on_both_sides_of_an_option():
+    """`rljax train a=1 --resume b=2` keeps both overrides (launch scripts append --resume after
+    the user's words), and a stray option is still refused. Catches: argparse ending the
+    overrides at the first option ('unrecognized arguments: b=2'), or swallowing a bad flag."""
+    from rljax.cli import build_parser, main
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(["train", "rl.iterations=2", "--resume", "seed=3"])
+    assert extra == ["seed=3"]  # what argparse alone leaves behind
+    seen = {}
+    import rljax.train.command as train_command
+    original = train_command._train
+    try:
+        train_command._train = lambda a: seen.update(overrides=a.overrides, resume=a.resume) or 0
+        assert main(["train", "rl.iterations=2", "--resume", "seed=3"]) == 0
+        assert seen == {"overrides": ["rl.iterations=2", "seed=3"], "resume": True}
+        seen.clear()
+        with pytest.raises(SystemExit):
+            main(["train", "rl.iterations=2", "--bogus", "seed=3"])
+        assert seen == {}
+    finally:
+        train_command._train = original
+
+
 def test_split_sections_reach_the_train_state_and_recipes_load_by_name():
     """[update] and [shaping] are their own sections; a bare recipe name picks the packaged file
     (a wheel install has no checkout `configs/`)."""
