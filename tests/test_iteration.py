@@ -2,6 +2,8 @@
 sampling keeps the groups a NumPy reference keeps, ReMax's greedy baseline equals an independent
 greedy run's reward, and the stages' metrics never overwrite each other."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +43,14 @@ def reward_callback(tokens_bt, mask_bt, index_b):
     return Rewards(total, {"even": total}, jnp.zeros(total.shape, bool))
 
 
+@functools.cache
+def _compiled_rollout(num_groups: int, dynamic: bool = False, needs: RolloutNeeds = RolloutNeeds()):
+    """`rollout` compiled once per (groups, dynamic sampling, needs): the tests that roll out the
+    same way share one program instead of compiling it again (or running it op by op)."""
+    return jax.jit(lambda p, t, m, i, k: rollout(CFG, p, t, m, i, k, controls=CONTROLS, reward_callback=reward_callback,
+                                                  num_groups=num_groups, dynamic_sampling=dynamic, needs=needs))
+
+
 @pytest.fixture(scope="module")
 def params():
     return init_params(CFG, jax.random.key(0))
@@ -61,12 +71,12 @@ def test_traced_sample_equals_generate(params):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_rollout_builds_the_batch_a_numpy_reference_builds(params, dynamic):
     """rollout: prompt | completion rows of the selected groups, with DAPO's dynamic sampling (keep
-    groups whose rewards differ, kept first in pool order, then masked fillers) written in NumPy."""
+    groups whose rewards differ, kept first in pool order, then masked fillers) written in NumPy.
+    Catches: rows taken from the wrong groups or samples, fillers that keep their loss mask, and
+    sampler log-probs or rewards misaligned with their rows."""
     tokens, mask, index = _prompts(1)
     key = jax.random.key(7)
-    fn = jax.jit(lambda p, t, m, i, k: rollout(CFG, p, t, m, i, k, controls=CONTROLS, reward_callback=reward_callback,
-                                                num_groups=G, dynamic_sampling=dynamic))
-    batch, metrics, preview = fn(params, tokens, mask, index, key)
+    batch, metrics, preview = _compiled_rollout(G, dynamic)(params, tokens, mask, index, key)
     out = generate(CFG, params, tokens, mask, key=key, controls=CONTROLS)
     comp, cmask, clogp = (np.asarray(x) for x in (out.tokens, out.mask, out.logprobs))
     rewards_pn = _reward_np(comp, cmask).reshape(P, N)
@@ -93,12 +103,11 @@ def test_rollout_builds_the_batch_a_numpy_reference_builds(params, dynamic):
 
 def test_remax_rollout_carries_the_greedy_baseline(params):
     """With `needs.greedy_baseline` (ReMax), each row's baseline is the reward of its prompt's greedy
-    completion, computed here independently with `generate(greedy)`."""
+    completion, computed here independently with `generate(greedy)`. Catches: a baseline from a
+    sampled (not greedy) completion, or one not repeated over the prompt's group."""
     tokens, mask, index = _prompts(2)
     key = jax.random.key(9)
-    batch, metrics, _ = jax.jit(lambda p, t, m, i, k: rollout(
-        CFG, p, t, m, i, k, controls=CONTROLS, reward_callback=reward_callback, num_groups=P,
-        needs=RolloutNeeds(greedy_baseline=True)))(params, tokens, mask, index, key)
+    batch, metrics, _ = _compiled_rollout(P, needs=RolloutNeeds(greedy_baseline=True))(params, tokens, mask, index, key)
     greedy = generate(CFG, params, tokens, mask, key=jax.random.key(123), controls=CONTROLS.greedy_version())
     want = _reward_np(np.asarray(greedy.tokens), np.asarray(greedy.mask))
     np.testing.assert_array_equal(np.asarray(batch.baseline_rewards_b), np.repeat(want, N))
@@ -109,14 +118,16 @@ def test_remax_iteration_end_to_end(params):
     """ReMax through the compiled iteration: the iteration reads the objective's declared needs
     from the state, and the update consumes the baseline: adv/mean equals the token mean of
     reward - greedy reward computed here from the same rollout (a baseline ignored, or taken as 0,
-    gives the plain reward mean instead), and params move."""
+    gives the plain reward mean instead), and params move. The rollout here is the greedy-baseline
+    test's compiled program (remax needs only the baseline), called with the iteration's sampling key.
+    Catches: an iteration that ignores the declared needs (no baseline: adv/mean is the reward
+    mean), or an update that does not apply its gradient."""
     tokens, mask, index = _prompts(3)
     algo = AlgorithmConfig(algorithm="remax")
     state = init_train_state(CFG, jax.tree.map(jnp.copy, params), algo, OptimConfig(learning_rate=1e-2))
     before = np.asarray(state.params["embed"]).copy()  # (the iteration donates the state's buffers)
     key = jax.random.key(11)
-    batch, _, _ = rollout(CFG, params, tokens, mask, index, jax.random.split(key)[0], controls=CONTROLS,
-                          reward_callback=reward_callback, num_groups=P, needs=algo.needs)
+    batch, _, _ = _compiled_rollout(P, needs=algo.needs)(params, tokens, mask, index, jax.random.split(key)[0])
     iteration = make_iteration(CONTROLS, reward_callback, num_groups=P)
     state, metrics, _ = iteration(state, tokens, mask, index, key)
     assert all(np.isfinite(float(v)) for v in metrics.values())
