@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,13 +57,23 @@ def test_short_run_raises_mean_reward(tmp_path):
 
 
 def test_kill_dash_nine_then_resume_is_exact(tmp_path):
-    """SIGKILL mid-run, then --resume: final params and metrics equal an uninterrupted run's."""
+    """SIGKILL mid-run, then --resume: final params and metrics equal an uninterrupted run's.
+
+    Catches: a resume that replays the wrong prompts or random keys (other rollouts: metrics
+    differ), loses the optimiser state or restores a half-written checkpoint (params differ), or
+    does not continue to the last step."""
     common = TINY + ["rl.iterations=6", "eval.every=3", "checkpoint.every=1", "checkpoint.keep_last=10",
                      "warm_start.steps=20"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    # The uninterrupted reference and the run to kill start together (both mostly compile, and
-    # compiling is largely single-threaded); the reference is collected after the kill.
+    # The run to kill starts once the uninterrupted reference has written its step-0 metrics row:
+    # by then the programs they share (init, warm start, evaluation) are in the session's XLA
+    # cache, so only the RL iteration (its verifier callback keeps it out of the cache) compiles
+    # in both, side by side. The reference is collected after the kill.
     reference = _cli(["train", *common, f"output_dir='{full}'"])
+    deadline = time.time() + 300
+    while not (full / "metrics.jsonl").exists():
+        assert reference.poll() is None and time.time() < deadline, "reference ended before its step-0 row"
+        time.sleep(0.05)
     proc = _cli(["train", *common, f"output_dir='{cut}'"])
     deadline = time.time() + 300
     while not (cut / "checkpoints" / "3").exists():
@@ -88,21 +99,52 @@ def test_kill_dash_nine_then_resume_is_exact(tmp_path):
         assert ck.latest_step() == 6
 
 
-def test_reference_reset_and_sample_log(tmp_path):
+def _sums_jsonl(path: Path) -> Path:
+    """60 JSONL rows of two-digit sums, two of them bad (not JSON; no answer)."""
+    rows = [json.dumps({"question": f"{a} + {b} =", "answer": str(a + b)}) for a in range(10, 40) for b in (11, 12)]
+    rows[3] = "{not json"
+    rows[7] = json.dumps({"question": "no answer"})
+    path.write_text("\n".join(rows))
+    return path
+
+
+def _jsonl_args(data: Path, out: Path) -> list[str]:
+    """Four GRPO iterations on the JSONL sums after TINY's warm start, with a KL term, ProRL resets
+    every 2 iterations, a sample log every 2, and one checkpoint at the end."""
+    return TINY + [
+        "data.source=jsonl", f"data.path='{data}'", "data.prompt_template='{question}'", "data.eval_size=10",
+        "eval.size=10", "reward.kind=math", "reward.inline=true", "rl.iterations=4", "eval.every=100",
+        "checkpoint.every=100", "algorithm.kl_coef=0.05", "rl.reference_reset_every=2", "metrics.samples_every=2",
+        "optim.learning_rate=1e-2", "optim.warmup_steps=0", "mesh.devices=1", f"output_dir='{out}'"]
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(tmp_path_factory):
+    """(config, result, log lines, data file) of one run of `_jsonl_args`, shared by the tests that
+    read its parts (bad-row counts, KL after resets, the sample log, its checkpoint): each compiles
+    a whole RL iteration, so one run instead of three saves two compiles and a warm start."""
+    root = tmp_path_factory.mktemp("jsonl")
+    data = _sums_jsonl(root / "sums.jsonl")
+    cfg = load_config(None, _jsonl_args(data, root / "run"))
+    logs = []
+    return cfg, train(cfg, log=logs.append), logs, data
+
+
+def test_reference_reset_and_sample_log(jsonl_run):
     """rl.reference_reset_every=2 with a KL term: the update right after each reset starts at the
     reference (kl_ref 0 up to rounding) and the others do not; without the reset iteration 3 would
     see the drift of two updates. metrics.samples_every=2 logs decoded completions whose logged
-    reward is the reward function's own score of that text."""
-    cfg = load_config(None, TINY + ["rl.iterations=4", "eval.every=100", "checkpoint.every=100",
-                                    "algorithm.kl_coef=0.05", "rl.reference_reset_every=2", "metrics.samples_every=2",
-                                    "optim.learning_rate=1e-2", "optim.warmup_steps=0", "mesh.devices=1",
-                                    f"output_dir='{tmp_path}'"])
-    result = train(cfg, log=lambda *_: None)
+    reward is the reward function's own score of that text.
+
+    Catches: a reset that does not copy the policy (kl_ref > 0 at iteration 3), a reset every
+    iteration or never (kl_ref 0 at iterations 2 and 4, or > 0 at 3), samples logged at other
+    steps, and a logged reward that is not the score of the logged completion."""
+    cfg, result, _, _ = jsonl_run
     kl = [r["kl_ref"] for r in result.history if "kl_ref" in r]
     assert len(kl) == 4
     assert kl[0] < 1e-9 and kl[2] < 1e-9, kl
     assert kl[1] > 1e-6 and kl[3] > 1e-6, kl
-    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (result.output_dir / "samples.jsonl").read_text().splitlines()]
     assert sorted({s["step"] for s in samples}) == [2, 4]
     from rljax.data.example import verifier_metadata
     from rljax.train import setup
@@ -128,19 +170,14 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in err
 
 
-def test_malformed_jsonl_rows_are_skipped_and_counted(tmp_path):
-    """Bad rows in a JSONL task file are skipped and counted; the good rows train."""
-    rows = [json.dumps({"question": f"{a} + {b} =", "answer": str(a + b)}) for a in range(10, 40) for b in (11, 12)]
-    rows[3] = "{not json"
-    rows[7] = json.dumps({"question": "no answer"})
-    (tmp_path / "sums.jsonl").write_text("\n".join(rows))
-    cfg = load_config(None, TINY + [
-        "data.source=jsonl", f"data.path='{tmp_path / 'sums.jsonl'}'", "data.prompt_template='{question}'", "data.eval_size=10", "eval.size=10",
-        "reward.kind=math", "reward.inline=true", "warm_start.steps=0", "rl.iterations=1",
-        "rl.prompts_per_iteration=8", f"output_dir='{tmp_path / 'run'}'"])
-    logs = []
-    train(cfg, log=logs.append)
+def test_malformed_jsonl_rows_are_skipped_and_counted(jsonl_run):
+    """Bad rows in a JSONL task file are skipped and counted; the good rows train.
+
+    Catches: a bad row that stops the run or is silently dropped (the summary line must count 2),
+    and a run that loads no good rows (all four iterations must train on them)."""
+    _, result, logs, _ = jsonl_run
     assert "skipped rows 2" in logs[0]
+    assert len([r for r in result.history if "rollout/reward_mean" in r]) == 4
 
 
 def test_rerun_into_a_used_output_dir_says_resume(tmp_path):
@@ -151,15 +188,17 @@ def test_rerun_into_a_used_output_dir_says_resume(tmp_path):
     assert proc.returncode == 2 and "--resume" in err and "Traceback" not in err, err[-2000:]
 
 
-def test_resume_into_a_different_model_is_a_clear_error(tmp_path):
-    """--resume with a checkpoint from another architecture names the mismatch in one line."""
-    base = TINY + ["rl.iterations=1", "warm_start.steps=0", "checkpoint.every=1", f"output_dir='{tmp_path}'"]
-    proc = _cli(["train", *base])
+def test_resume_into_a_different_model_is_a_clear_error(jsonl_run, tmp_path):
+    """--resume with a checkpoint from another architecture names the mismatch in one line.
+
+    The checkpoint is the shared JSONL run's (copied, so the failed resume cannot touch it).
+    Catches: a resume that restores into the new shape (or crashes with a traceback) instead of
+    one line naming num_layers, and exit codes other than 2."""
+    _, result, _, data = jsonl_run
+    shutil.copytree(result.output_dir, tmp_path / "run")
+    proc = _cli(["train", *_jsonl_args(data, tmp_path / "run"), "model.num_layers=3", "rl.iterations=5", "--resume"])
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    proc = _cli(["train", *base, "model.num_layers=3", "rl.iterations=2", "--resume"])
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2
+    assert proc.returncode == 2, err[-2000:]
     lines = [x for x in err.strip().splitlines() if not x.startswith("WARNING")]
     assert len(lines) == 1 and "num_layers" in lines[0], err[-2000:]
 
