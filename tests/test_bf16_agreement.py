@@ -29,11 +29,12 @@ def test_bf16_sampler_logprobs_equal_trainer_scoring_within_bound(param_dtype):
     """A 4-layer model in bf16 compute (f32 and bf16 params): the sampler's log-probs of its own
     draws equal token_logprobs on prompt + completion to MAX_GAP (max) and MEAN_GAP (mean).
 
-    Measured here (384 tokens): max 1.5e-3 / mean 4.2e-5 with f32 params (19% of tokens differ by
-    more than 1e-5: a last-bit difference reached a bf16 rounding), max 3.2e-5 / mean 1.3e-7 with
-    bf16 params. Catches an all-bf16 residual stream (every norm, residual add and matmul result
-    rounded to bf16, the code before issue 17: mean 6.9e-4, 99% of tokens over 1e-5, max 3.1e-3)
-    and a sampler that scores with different numerics than the trainer (e.g. logits in bf16)."""
+    Measured here (384 tokens; the same with LLVM -O0 and -O2 kernels): max 1.5e-3 / mean 4.2e-5
+    with f32 params (19% of tokens differ by more than 1e-5: a last-bit difference reached a bf16
+    rounding), max 3.2e-5 / mean 1.3e-7 with bf16 params. Catches an all-bf16 residual stream
+    (every norm, residual add and matmul result rounded to bf16, the code before issue 17: mean
+    6.9e-4, 99% of tokens over 1e-5, max 3.1e-3) and a sampler that scores with different
+    numerics than the trainer (e.g. logits in bf16)."""
     cfg = M.preset("qwen2-test", num_layers=4, compute_dtype="bfloat16", param_dtype=param_dtype)
     params = M.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
