@@ -375,15 +375,19 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         return rms_norm(h, params["final_norm"], cfg).astype(dt), None
 
     # Cached path: write this chunk's keys at slots [index, index + T), attend over all slots.
+    # `index` is a scalar (every row writes at the same slot) or [B] (each row at its own slot, as
+    # the continuous scheduler's rows are at different lengths): then the writes are per-row
+    # `dynamic_update_slice`s, a scatter of T slots per row.
     index = cache["index"]
-    k_pos_bs = jax.lax.dynamic_update_slice(cache["pos"], new_pos_bt, (0, index))
+    write = _cache_writer(index)
+    k_pos_bs = write(cache["pos"], new_pos_bt, 1)
     layer_params = unstack_layers(params)["layers"]
     new_layers = []
     for lp, lc, window in zip(layer_params, cache["layers"], windows):
         def attend(q, k, v, lc=lc, window=window):
             k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]
-            ck = jax.lax.dynamic_update_slice(lc["k"], k.astype(lc["k"].dtype), (0, 0, 0, index))
-            cv = jax.lax.dynamic_update_slice(lc["v"], v.astype(lc["v"].dtype), (0, 0, index, 0))
+            ck = write(lc["k"], k.astype(lc["k"].dtype), CACHE_SLOT_AXIS["k"])
+            cv = write(lc["v"], v.astype(lc["v"].dtype), CACHE_SLOT_AXIS["v"])
             out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
                                    cfg)
             return out, {"k": ck, "v": cv}
@@ -391,6 +395,20 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         new_layers.append(lc_new)
     new_cache = {"layers": tuple(new_layers), "pos": k_pos_bs, "index": index + t}
     return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache
+
+
+def _cache_writer(index):
+    """fn(buffer, update, slot_axis): `update` written into `buffer` at slot `index` (scalar) or at
+    each row's own slot (`index` [B])."""
+    if jnp.ndim(index) == 0:
+        def write(buf, x, axis):
+            return jax.lax.dynamic_update_slice_in_dim(buf, x, index, axis)
+        return write
+
+    def write(buf, x, axis):
+        row = lambda b, u, i: jax.lax.dynamic_update_slice_in_dim(b, u, i, axis - 1)
+        return jax.vmap(row)(buf, x, index)
+    return write
 
 
 def output_embedding(cfg: ModelConfig, params: Params):

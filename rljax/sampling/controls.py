@@ -9,17 +9,25 @@
 
 `max_new_tokens` is traced too; only its bucket (`bucket_length`) and `num_samples` shape the
 compiled program.
+
+`scheduler` picks the decode loop: "static" decodes the whole batch until its last row ends (as
+transformers' `generate` does); "continuous" decodes a fixed number of slots and gives a slot whose
+row has ended to the next pending row (`rljax.sampling.continuous`). Both give the same tokens for
+the same key: every row draws from its own key, fold_in(key, row), at each token index.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from rljax.errors import ConfigError
 from rljax.sampling.filters import Filters, make_filters
+
+
+SCHEDULERS = ("static", "continuous")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +38,8 @@ class StaticControls:
     eos_ids: tuple[int, ...]
     stop_sequences: tuple[tuple[int, ...], ...]
     pad_id: int
+    logits_processor: Callable | None = None
+    batch_invariant: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +57,23 @@ class SampleControls:
     stop_sequences: non-empty token-id sequences that end a row when completed.
     pad_id: the id after a row ends. None means "the tokenizer's" (`with_tokenizer`); a sampler
       given None pads with 0.
+    scheduler: "static" or "continuous" (see the module docstring).
+    slots: continuous only: rows decoded at once. 0 means as many as `max_total_tokens` allows,
+      else min(rows, 64).
+    max_total_tokens: continuous only: the KV cache budget in tokens; each slot holds
+      bucket(prompt) + bucket(max_new_tokens) tokens, so it caps the slots (0: no cap).
+    prefill_batch: continuous only: prompts prefilled together inside the decode loop as slots
+      need them (a ring of 2 x prefill_batch prompts); 0 prefills every prompt once, up front.
+    refill_batch: continuous only: the most slots refilled in one decode step (0: slots / 4).
+    batch_invariant: compute every row alone (prefill and decode), and decode the static loop at
+      full cache width, so a row's tokens and log-probs are bitwise the same whatever batch, slot
+      count or scheduler computes it. Slower (the weights are read once per row); for checks
+      and reproducibility. Without it, schedulers agree on the tokens and on the log-probs to
+      the last bits of f32 (XLA:CPU picks matmul kernels by row count).
+    logits_processor: optional fn(logits_bv, row_b, step_b) -> logits_bv applied to the sampling
+      distribution only (the policy log-probs stay unprocessed): row_b is the row's index in
+      input order, step_b the index of the token being drawn. Traced inside the decode loop; a
+      new function compiles a new variant. Python API only (not a config key).
 
     Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
     """
@@ -61,6 +88,13 @@ class SampleControls:
     eos_ids: tuple[int, ...] | None = None
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     pad_id: int | None = None
+    scheduler: str = "static"
+    slots: int = 0
+    max_total_tokens: int = 0
+    prefill_batch: int = 0
+    refill_batch: int = 0
+    batch_invariant: bool = False
+    logits_processor: Callable | None = None
 
     def __post_init__(self):
         try:
@@ -69,7 +103,10 @@ class SampleControls:
                           min_p=float(self.min_p), greedy=bool(self.greedy),
                           eos_ids=None if self.eos_ids is None else tuple(int(e) for e in self.eos_ids),
                           stop_sequences=tuple(tuple(int(t) for t in s) for s in self.stop_sequences),
-                          pad_id=None if self.pad_id is None else int(self.pad_id))
+                          pad_id=None if self.pad_id is None else int(self.pad_id),
+                          slots=int(self.slots), max_total_tokens=int(self.max_total_tokens),
+                          prefill_batch=int(self.prefill_batch), refill_batch=int(self.refill_batch),
+                          batch_invariant=bool(self.batch_invariant))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
                               f"{err}") from None
@@ -79,6 +116,13 @@ class SampleControls:
             raise ConfigError(f"sampling: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_samples < 1:
             raise ConfigError(f"sampling: num_samples must be >= 1, got {self.num_samples}")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"sampling: scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
+        if self.logits_processor is not None and not callable(self.logits_processor):
+            raise ConfigError("sampling: logits_processor must be a function fn(logits_bv, row_b, step_b) -> logits_bv")
         if any(not s for s in self.stop_sequences):
             raise ConfigError(f"sampling: stop_sequences must be non-empty token-id sequences, got "
                               f"{self.stop_sequences}")
@@ -93,7 +137,8 @@ class SampleControls:
 
     def static(self) -> StaticControls:
         return StaticControls(filters=self.filters(), eos_ids=self.eos_ids or (),
-                              stop_sequences=self.stop_sequences, pad_id=self.pad_id or 0)
+                              stop_sequences=self.stop_sequences, pad_id=self.pad_id or 0,
+                              logits_processor=self.logits_processor, batch_invariant=self.batch_invariant)
 
     def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
         """(temperature, top_p, min_p) as traced values; greedy ignores them."""

@@ -17,6 +17,11 @@ checks (mean <= 1e-4, max <= 2e-3 nats on the test model).
 `sampling_logprobs` is the log-probability under the tempered, filtered distribution the token
 was drawn from (0 for greedy).
 
+Keys. Row r draws token t with the uniform of fold_in(fold_in(key, r), t) (`row_uniforms`), so a
+row's tokens depend on its own key, prompt and index only: not on the batch around it, and not on
+when a scheduler decodes it. The continuous scheduler (`rljax.sampling.continuous`) reuses `draw`
+and `stop_flags` and so gives the same tokens as this static loop.
+
 Phases. Decode attention reads every cache slot every step, and that read (not the weight
 matmuls) is the part of a step that grows with the cache. So the cache starts with room for 16
 new tokens and doubles (16, 32, 64, ... up to the new-token bucket): decode runs as one
@@ -40,7 +45,7 @@ import numpy as np
 from rljax.models import CACHE_SLOT_AXIS, ModelConfig, default_positions, forward, hidden_states, init_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
 from rljax.sampling.controls import StaticControls
-from rljax.sampling.filters import sample_logits
+from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
 from rljax.tokenizers.batching import bucket_length as pad_bucket_length
 
 # Finish reasons, one int32 per row.
@@ -75,6 +80,12 @@ class SampleResult:
     mask              bool   True on generated tokens (EOS and stop-sequence tokens included)
     lengths           int32  [B * n] number of generated tokens
     finish_reason     int32  [B * n] FINISH_LENGTH (0), FINISH_EOS (1) or FINISH_STOP (2)
+    decode_steps      int32  [] decode forward steps the loop ran (token 0 comes from the prefill)
+    live_row_steps    int32  [] (row, step) pairs of those steps that decoded a running row
+    slots             int    rows each decode step computes (static: B * n), not a pytree leaf
+
+    Occupancy = live_row_steps / (decode_steps * slots); the rest of the decode compute went to
+    rows that had ended (or, continuous, to empty slots).
     """
 
     tokens: jax.Array
@@ -83,6 +94,9 @@ class SampleResult:
     mask: jax.Array
     lengths: jax.Array
     finish_reason: jax.Array
+    decode_steps: jax.Array
+    live_row_steps: jax.Array
+    slots: int = flax.struct.field(pytree_node=False, default=0)
 
 
 @flax.struct.dataclass
@@ -101,16 +115,46 @@ class DecodeState:
     window_bl: jax.Array  # the last L generated tokens, for stop-sequence matching
     step: jax.Array  # tokens generated so far
     max_new: jax.Array
-    key: jax.Array
+    row_keys_b: jax.Array  # fold_in(key, row) per row
     scalars: Any  # (temperature, top_p, min_p) traced scalars
+    live_row_steps: jax.Array  # running rows summed over decode steps
+
+
+def row_keys(key, rows: int):
+    """Each row's own key, fold_in(key, row) (see the module docstring)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
+
+
+def draw(logits_bv, row_keys_b, row_b, step_b, scalars, spec: StaticControls):
+    """Token `step_b` of rows `row_b` from `logits_bv`: (tokens_b, policy logp_b, sampling logp_b).
+
+    The policy log-prob is the trainer's `logprobs_from_logits` on the raw logits; the token is
+    drawn from the tempered, filtered distribution after `spec.logits_processor`."""
+    temperature, top_p, min_p = scalars
+    z_bv = logits_bv if spec.logits_processor is None else spec.logits_processor(logits_bv, row_b, step_b)
+    u_b = row_uniforms(row_keys_b, step_b)
+    tok_b, slp_b = sample_logits_from_uniforms(u_b, z_bv, temperature, top_p, min_p, filters=spec.filters)
+    logp_b = logprobs_from_logits(logits_bv[:, None, :], tok_b[:, None])[0][:, 0]
+    return tok_b, logp_b, slp_b
+
+
+def stop_flags(window_bl, tok_b, live_b, spec: StaticControls):
+    """(window, hit_eos_b, hit_stop_b) after appending `tok_b` to each row's stop window."""
+    window = jnp.concatenate([window_bl[:, 1:], tok_b[:, None]], axis=1)
+    hit_eos = live_b & jnp.isin(tok_b, jnp.asarray(spec.eos_ids or (-1,), jnp.int32))
+    hit_stop = jnp.zeros_like(live_b)
+    for seq in spec.stop_sequences:
+        tail = window[:, window.shape[1] - len(seq):]
+        hit_stop |= jnp.all(tail == jnp.asarray(seq, jnp.int32), axis=1)
+    return window, hit_eos, hit_stop & live_b & ~hit_eos
 
 
 def record(state: DecodeState, logits_bv, spec: StaticControls) -> DecodeState:
     """Draws token `step` from `logits_bv`, stores it with its log-probs and updates stop flags."""
-    temperature, top_p, min_p = state.scalars
-    key = jax.random.fold_in(state.key, state.step)
-    tok_b, slp_b = sample_logits(key, logits_bv, temperature, top_p, min_p, filters=spec.filters)
-    logp_b = logprobs_from_logits(logits_bv[:, None, :], tok_b[:, None])[0][:, 0]
+    rows = state.last_token_b.shape[0]
+    step_b = jnp.full((rows,), state.step, jnp.int32)
+    tok_b, logp_b, slp_b = draw(logits_bv, state.row_keys_b, jnp.arange(rows, dtype=jnp.int32), step_b,
+                                state.scalars, spec)
     live_b = ~state.done_b
     tok_b = jnp.where(live_b, tok_b, spec.pad_id)
     col = (0, state.step)
@@ -118,18 +162,59 @@ def record(state: DecodeState, logits_bv, spec: StaticControls) -> DecodeState:
     tokens = put(state.tokens_bn, tok_b)
     logp = put(state.logp_bn, jnp.where(live_b, logp_b, 0.0))
     slp = put(state.sampling_logp_bn, jnp.where(live_b, slp_b, 0.0))
-    window = jnp.concatenate([state.window_bl[:, 1:], tok_b[:, None]], axis=1)
-    hit_eos = live_b & jnp.isin(tok_b, jnp.asarray(spec.eos_ids or (-1,), jnp.int32))
-    hit_stop = jnp.zeros_like(live_b)
-    for seq in spec.stop_sequences:
-        tail = window[:, window.shape[1] - len(seq):]
-        hit_stop |= jnp.all(tail == jnp.asarray(seq, jnp.int32), axis=1)
-    hit_stop &= live_b & ~hit_eos
+    window, hit_eos, hit_stop = stop_flags(state.window_bl, tok_b, live_b, spec)
     finish = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, state.finish_b))
     return state.replace(
         last_token_b=tok_b, tokens_bn=tokens, logp_bn=logp, sampling_logp_bn=slp,
         done_b=state.done_b | hit_eos | hit_stop, length_b=state.length_b + live_b, finish_b=finish.astype(jnp.int32),
         window_bl=window, step=state.step + 1)
+
+
+def one_row_at_a_time(fn, *row_args, shared=()):
+    """`fn(*rows, *shared)` computed for each row alone (`lax.map` over the leading axis), so
+    each row's arithmetic is the same whatever batch it sits in: XLA:CPU picks matmul kernels by
+    the row count, and two kernels can round the same row differently in the last bit. The
+    sampler's batch-invariant mode uses it; it reads the weights once per row, so it is slow."""
+    def one(rows):
+        out = fn(*jax.tree.map(lambda x: x[None], rows), *shared)
+        return jax.tree.map(lambda x: x[0] if getattr(x, "ndim", 0) else x, out)
+    return jax.lax.map(one, row_args)
+
+
+def step_forward(cfg: ModelConfig, layer_params, tokens_b, positions_b, live_b, cache, rope_cos_sin, *,
+                 batch_invariant: bool):
+    """One decode step: logits [B, V] for the tokens `tokens_b` at `positions_b`, and the cache
+    with their keys and values appended (each row at the cache's index: a scalar, or one per row)."""
+    if not batch_invariant:
+        logits_b1v, cache = forward(cfg, layer_params, tokens_b[:, None], positions_b[:, None], live_b[:, None],
+                                    cache, rope_cos_sin=rope_cos_sin)
+        return logits_b1v[:, 0], cache
+    index = cache["index"]
+    per_row = jnp.ndim(index) == 1
+    rows = (tokens_b, positions_b, live_b, cache["layers"], cache["pos"]) + ((index,) if per_row else ())
+
+    def one(tok, pos, live, layers, kpos, *row_index):
+        row_cache = {"layers": layers, "pos": kpos, "index": row_index[0] if per_row else index}
+        logits, new = forward(cfg, layer_params, tok[:, None], pos[:, None], live[:, None], row_cache,
+                              rope_cos_sin=rope_cos_sin)
+        return logits[:, 0], new["layers"], new["pos"]
+
+    logits_bv, layers, kpos = one_row_at_a_time(one, *rows)
+    return logits_bv, {"layers": layers, "pos": kpos, "index": index + 1}
+
+
+def prompt_forward(cfg: ModelConfig, params, prompt_bt, mask_bt, *, batch_invariant: bool = False):
+    """The prompts' forward pass: (a KV cache of P slots, the logits after the last real token
+    [B, V]). Both schedulers prefill with it; `batch_invariant` runs one prompt at a time."""
+    if batch_invariant:
+        cache, logits_bv = one_row_at_a_time(lambda t, m: prompt_forward(cfg, params, t, m), prompt_bt, mask_bt)
+        return dict(cache, index=jnp.asarray(prompt_bt.shape[1], jnp.int32)), logits_bv
+    b, p = prompt_bt.shape
+    positions_bt = default_positions(mask_bt)
+    h_btd, cache = hidden_states(cfg, params, prompt_bt, positions_bt, mask_bt, init_cache(cfg, b, p))
+    last_b = p - 1 - jnp.argmax(jnp.flip(mask_bt, axis=1), axis=1)  # last real token (any padding)
+    h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
+    return cache, logits_from_hidden(cfg, params, h_b1d)[:, 0]
 
 
 def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars, *, spec: StaticControls,
@@ -140,14 +225,10 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
     token buffers."""
     b, p = prompt_bt.shape
     bn = b * num_samples
-    positions_bt = default_positions(mask_bt)
-    h_btd, cache = hidden_states(cfg, params, prompt_bt, positions_bt, mask_bt, init_cache(cfg, b, p))
-    last_b = p - 1 - jnp.argmax(jnp.flip(mask_bt, axis=1), axis=1)  # last real token (any padding)
-    h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
-    logits_bv = logits_from_hidden(cfg, params, h_b1d)[:, 0]
+    cache, logits_bv = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant)
 
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
-    cache = pad_slots(cache, phase_widths(new_bucket)[0])  # room for the first phase
+    cache = pad_slots(cache, new_bucket if spec.batch_invariant else phase_widths(new_bucket)[0])  # the first phase
     window = max([len(s) for s in spec.stop_sequences], default=1)
     state = DecodeState(
         cache=cache,
@@ -160,7 +241,8 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
         length_b=jnp.zeros((bn,), jnp.int32),
         finish_b=jnp.full((bn,), FINISH_LENGTH, jnp.int32),
         window_bl=jnp.full((bn, window), -1, jnp.int32),
-        step=jnp.zeros((), jnp.int32), max_new=max_new, key=key, scalars=scalars)
+        step=jnp.zeros((), jnp.int32), max_new=max_new, row_keys_b=row_keys(key, bn), scalars=scalars,
+        live_row_steps=jnp.zeros((), jnp.int32))
     return record(state, jnp.repeat(logits_bv, num_samples, axis=0), spec)
 
 
@@ -193,11 +275,12 @@ def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticC
         return (s.step < stop_at) & ~jnp.all(s.done_b)
 
     def body(s: DecodeState):
-        ones_b1 = jnp.ones((s.last_token_b.shape[0], 1), bool)
-        logits_b1v, cache = forward(cfg, layer_params, s.last_token_b[:, None], s.next_pos_b[:, None],
-                                    ones_b1, s.cache, rope_cos_sin=rope_cos_sin)
-        s = s.replace(cache=cache, next_pos_b=s.next_pos_b + 1)
-        return record(s, logits_b1v[:, 0], spec)
+        ones_b = jnp.ones(s.last_token_b.shape, bool)
+        logits_bv, cache = step_forward(cfg, layer_params, s.last_token_b, s.next_pos_b, ones_b, s.cache,
+                                        rope_cos_sin, batch_invariant=spec.batch_invariant)
+        s = s.replace(cache=cache, next_pos_b=s.next_pos_b + 1,
+                      live_row_steps=s.live_row_steps + jnp.sum(~s.done_b, dtype=jnp.int32))
+        return record(s, logits_bv, spec)
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -207,14 +290,15 @@ def to_result(state: DecodeState, *, width: int) -> SampleResult:
     mask = jnp.arange(width)[None, :] < state.length_b[:, None]
     return SampleResult(tokens=state.tokens_bn[:, :width], logprobs=state.logp_bn[:, :width],
                         sampling_logprobs=state.sampling_logp_bn[:, :width], mask=mask,
-                        lengths=state.length_b, finish_reason=state.finish_b)
+                        lengths=state.length_b, finish_reason=state.finish_b, decode_steps=state.step - 1,
+                        live_row_steps=state.live_row_steps, slots=state.length_b.shape[0])
 
 
 def decode_phases(cfg: ModelConfig, params, state: DecodeState, *, spec: StaticControls, new_bucket: int,
                   max_new_tokens: int, decode=decode, widen=widen) -> DecodeState:
     """Runs every decode phase (see the module docstring): decode to the cache's width, widen, go
     on. Traceable; `generate` passes jitted `decode` and `widen` instead."""
-    widths = phase_widths(new_bucket, max_new_tokens)
+    widths = (new_bucket,) if spec.batch_invariant else phase_widths(new_bucket, max_new_tokens)
     for i, width in enumerate(widths):
         if i:
             state = widen(state, width - widths[i - 1])

@@ -162,6 +162,20 @@ def sample_logits(key, logits_bv, temperature=1.0, top_p=1.0, min_p=0.0, *, filt
     distribution it was drawn from (tempered and filtered). Greedy takes the arg-max (first on
     ties, as transformers does) and reports log-probability 0, a point mass.
     """
+    u_b = jax.random.uniform(key, (logits_bv.shape[0],), jnp.float32)
+    return sample_logits_from_uniforms(u_b, logits_bv, temperature, top_p, min_p, filters=filters)
+
+
+def row_uniforms(row_keys_b, step_b):
+    """One uniform in [0, 1) per row from that row's own key and its token index:
+    uniform(fold_in(row_key, step)). A row's draws then depend on nothing else in the batch, which
+    is what lets the continuous scheduler reproduce the static one (`rljax.sampling.continuous`)."""
+    draw = lambda key, step: jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
+    return jax.vmap(draw)(row_keys_b, step_b)
+
+
+def sample_logits_from_uniforms(u_b, logits_bv, temperature=1.0, top_p=1.0, min_p=0.0, *, filters: Filters):
+    """`sample_logits` with the row uniforms `u_b` in [0, 1) given (see `row_uniforms`)."""
     if filters.greedy:
         tokens_b = argmax_first(logits_bv)
         return tokens_b, jnp.zeros(tokens_b.shape, jnp.float32)
@@ -170,7 +184,7 @@ def sample_logits(key, logits_bv, temperature=1.0, top_p=1.0, min_p=0.0, *, filt
     z_max = jnp.max(z_bk, axis=-1, keepdims=True)
     lse_b1 = z_max + jnp.log(jnp.sum(jnp.exp(z_bk - z_max), axis=-1, keepdims=True))
     probs_bk = jnp.exp(z_bk - lse_b1)
-    u_b = jax.random.uniform(key, (z_bk.shape[0],), jnp.float32) * jnp.sum(probs_bk, axis=-1)
+    u_b = u_b * jnp.sum(probs_bk, axis=-1)
     choice_b = inverse_cdf(u_b, probs_bk)[:, None]
     sampling_logp_b = (jnp.take_along_axis(z_bk, choice_b, axis=-1) - lse_b1)[:, 0]
     tokens_b = choice_b if ids_bk is None else jnp.take_along_axis(ids_bk, choice_b, axis=-1)

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from rljax.errors import DataError
 from rljax.models import ModelConfig, unstack_layers
+from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sharding.rules import batch_axes
@@ -39,6 +40,7 @@ _decode_jit = jax.jit(D.decode, static_argnames=("cfg", "spec"), donate_argnames
 _widen_jit = jax.jit(D.widen, static_argnames=("extra",))  # new buffers: nothing to donate
 _result_jit = jax.jit(D.to_result, static_argnames=("width",))
 _unstack_jit = jax.jit(unstack_layers)
+_continuous_jit = jax.jit(C.sample_continuous, static_argnames=("cfg", "spec", "layout"))
 
 
 def pad_prompts(cfg: ModelConfig, prompt_tokens_bt, prompt_mask_bt=None, pad_id: int = 0
@@ -99,10 +101,29 @@ def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *,
     are usually left-padded, any padding works). The same `key` and inputs give the same tokens.
     Returns a `SampleResult` with B * num_samples rows, prompt-major.
     """
+    if controls.scheduler == "continuous":
+        return _generate_continuous(cfg, params, prompt_tokens_bt, prompt_mask_bt, key=key, controls=controls)
     state, spec, params = start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key=key, controls=controls)
     state = D.decode_phases(cfg, params, state, spec=spec, new_bucket=D.bucket_length(controls.max_new_tokens),
                             max_new_tokens=controls.max_new_tokens, decode=_decode_jit, widen=_widen_jit)
     return _result_jit(state, width=controls.max_new_tokens)
+
+
+def _generate_continuous(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, *, key: jax.Array,
+                         controls: SampleControls) -> D.SampleResult:
+    """`generate` with the continuous scheduler: the prompt count is padded to a power of two (the
+    real row count is traced, so any count within the bucket reuses one compiled loop)."""
+    spec = controls.static()
+    tokens, mask = pad_prompts(cfg, prompt_tokens_bt, prompt_mask_bt, spec.pad_id)
+    b = tokens.shape[0]
+    bucket = 1 << max(b - 1, 0).bit_length()
+    tokens = np.pad(tokens, ((0, bucket - b), (0, 0)), constant_values=spec.pad_id)
+    mask = np.pad(mask, ((0, bucket - b), (0, 0)))
+    mask[b:, -1] = True  # padding prompts: one token each, never decoded
+    layout = C.plan_layout(controls, bucket, tokens.shape[1])
+    result = _continuous_jit(cfg, params, tokens, mask, key, np.int32(controls.max_new_tokens), controls.scalars(),
+                             np.int32(b * controls.num_samples), spec=spec, layout=layout)
+    return C.trim(result, b * controls.num_samples, controls.max_new_tokens)
 
 
 def stream(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, key: jax.Array,

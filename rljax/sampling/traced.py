@@ -12,15 +12,24 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from rljax.models import ModelConfig, unstack_layers
+from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls
 
 
 def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, controls: SampleControls
            ) -> D.SampleResult:
-    """Traceable `generate`: B left-padded prompts -> B * n completions (rows prompt-major)."""
+    """Traceable `generate`: B left-padded prompts -> B * n completions (rows prompt-major), with
+    the scheduler `controls.scheduler` names."""
     spec = controls.static()
     new_bucket = D.bucket_length(controls.max_new_tokens)
+    if controls.scheduler == "continuous":
+        b, p = prompt_tokens_bt.shape
+        layout = C.plan_layout(controls, b, p)
+        result = C.sample_continuous(cfg, params, prompt_tokens_bt, prompt_mask_bt, key,
+                                     jnp.int32(controls.max_new_tokens), controls.scalars(),
+                                     b * controls.num_samples, spec=spec, layout=layout)
+        return C.trim(result, b * controls.num_samples, controls.max_new_tokens)
     params = unstack_layers(params)  # once, for the prefill and every decode phase
     state = D.prefill(cfg, params, prompt_tokens_bt, prompt_mask_bt.astype(bool), key,
                       jnp.int32(controls.max_new_tokens), controls.scalars(), spec=spec,

@@ -1,0 +1,310 @@
+"""Continuous batching: a fixed number of decode slots, each refilled with the next pending row
+as soon as its row ends, all inside one compiled `while_loop`.
+
+RL completions are long-tailed: most end early, a few run to the limit. The static loop
+(`rljax.sampling.decode`) decodes a batch until its longest row ends, so most of its row-steps go
+to rows that have already finished. Here the batch is a set of S slots:
+
+    prompts  -> prompt pool: prompts are prefilled in batches (all up front, or `prefill_batch`
+                at a time inside the loop, into a ring of 2 x prefill_batch entries, as the rows
+                being admitted need them). A prompt is prefilled once for its n samples.
+    loop while a slot is running or a row is pending:
+        [prefill]  the next prefill_batch prompts into the ring, when the admitted rows have
+                   reached the last batch (a `lax.cond`; only with prefill_batch > 0)
+        admit      up to `refill_batch` pending rows, in input order, into free slots: copy the
+                   prompt's KV from the pool into the slot (slots [0, P)), mark the slot's
+                   generated region empty (positions -1), draw token 0 from the pool's logits
+        decode     one forward step over all S slots; each running slot draws its next token
+                   and writes it, with its log-probs, into its row of the output buffers
+
+Why this shape. Admission costs a copy of P prompt slots per admitted row and no forward pass:
+the prompt's forward ran once in the pool, however many samples and slots use it (the group
+sharing the static sampler does by broadcasting its prefill). Copying rather than pointing at the
+pool keeps each slot a plain contiguous cache, so the decode step is the model's own cached
+forward with a per-row write index (`rljax.models` accepts an index per row). The copy is
+P / (P + N) of a slot and happens once per row.
+
+Isolation. A slot's new row never sees its previous occupant: admission rewrites every key
+position of the slot (the prompt's positions, then -1 on the generated region), and attention
+ignores keys at position -1, so the old keys and values that stay in memory are invisible.
+
+Same tokens as static. Row r draws token t from the uniform of fold_in(fold_in(key, r), t) and
+sees only its own prompt and tokens, so which slot decodes it, and when, changes nothing: the
+tokens, log-probs, masks and finish reasons equal the static scheduler's for any slot count
+(tests/test_continuous.py checks it bitwise on CPU). On backends whose matmul kernels depend on
+the batch size the per-row logits can differ in the last bit; `slots = rows` then reproduces
+static batching's shapes.
+
+Memory. The KV cache holds S x (P + N) tokens (P, N the prompt and new-token buckets) plus the
+pool's G x P; `max_total_tokens` sets S = max_total_tokens // (P + N), rather than holding
+rows x (P + N) as static batching does.
+
+Shapes and compiles. Prompts are padded to a bucket of prompts (`generate` pads the count to a
+power of two) and the number of real rows is traced, so a run compiles once per (prompt bucket,
+length buckets, n, S, prefill_batch, refill_batch, static controls), whatever the number of
+pending rows within a bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rljax.errors import ConfigError
+from rljax.models import CACHE_SLOT_AXIS, ModelConfig, init_cache, rope_table, unstack_layers
+from rljax.sampling.controls import SampleControls, StaticControls
+from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, bucket_length, draw,
+                                   prompt_forward, row_keys, step_forward, stop_flags)
+
+
+@flax.struct.dataclass
+class PromptPool:
+    """Prefilled prompts: prompt q lives in entry q % G (G = all prompts, or a ring of 2 batches)."""
+
+    layers: Any  # per layer {"k": [G, K, H, P], "v": [G, K, P, H]}
+    pos_gp: jax.Array  # key positions of the prompt slots (-1 on padding)
+    logits_gv: jax.Array  # logits after the prompt's last real token
+    next_pos_g: jax.Array  # the first completion token's position (the prompt's real length)
+    prefilled: jax.Array  # prompts prefilled so far
+
+
+@flax.struct.dataclass
+class SlotState:
+    """What the continuous loop carries (donated between iterations)."""
+
+    cache: Any  # the slots' KV cache: [S, ..., P + N] with a per-slot write index
+    row_s: jax.Array  # the row each slot decodes
+    step_s: jax.Array  # tokens drawn for that row
+    live_s: jax.Array  # the slot's row is still running
+    last_token_s: jax.Array
+    next_pos_s: jax.Array
+    window_sl: jax.Array  # the last L tokens, for stop sequences
+    tokens_rn: jax.Array  # outputs, rows in input order
+    logp_rn: jax.Array
+    sampling_logp_rn: jax.Array
+    length_r: jax.Array
+    finish_r: jax.Array
+    next_row: jax.Array  # rows admitted so far
+    pool: PromptPool
+    decode_steps: jax.Array
+    live_row_steps: jax.Array
+
+
+@flax.struct.dataclass
+class Layout:
+    """The static sizes of one continuous run (a jit static argument)."""
+
+    slots: int = flax.struct.field(pytree_node=False)
+    refill: int = flax.struct.field(pytree_node=False)
+    prefill_batch: int = flax.struct.field(pytree_node=False)  # prompts per in-loop prefill; 0 = all up front
+    num_samples: int = flax.struct.field(pytree_node=False)
+    new_bucket: int = flax.struct.field(pytree_node=False)
+
+
+def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> Layout:
+    """Slots, refill and prefill sizes for `num_prompts` prompts of (bucketed) length `prompt_len`.
+
+    S = slots if set, else max_total_tokens // (P + N) if set, else min(rows, 64); at most the rows.
+    """
+    rows = num_prompts * controls.num_samples
+    new_bucket = bucket_length(controls.max_new_tokens)
+    per_slot = prompt_len + new_bucket
+    slots = controls.slots
+    if controls.max_total_tokens:
+        fit = controls.max_total_tokens // per_slot
+        if fit < 1:
+            raise ConfigError(f"sampling: max_total_tokens={controls.max_total_tokens} holds no slot of "
+                              f"{per_slot} tokens (prompt bucket {prompt_len} + new-token bucket {new_bucket}); "
+                              f"raise it to at least {per_slot}")
+        slots = min(slots, fit) if slots else fit
+    slots = min(slots or 64, rows)
+    refill = min(controls.refill_batch or max(1, slots // 4), slots)
+    prefill_batch = controls.prefill_batch if 0 < controls.prefill_batch < num_prompts else 0
+    return Layout(slots=slots, refill=refill, prefill_batch=prefill_batch, num_samples=controls.num_samples,
+                  new_bucket=new_bucket)
+
+
+def _empty_pool(cfg: ModelConfig, entries: int, prompt_len: int) -> PromptPool:
+    empty = init_cache(cfg, entries, prompt_len)
+    return PromptPool(layers=empty["layers"], pos_gp=empty["pos"],
+                      logits_gv=jnp.zeros((entries, cfg.vocab_size), jnp.float32),
+                      next_pos_g=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32))
+
+
+def _prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mask_bp, batch: int, *,
+                       batch_invariant: bool) -> PromptPool:
+    """Prefills prompts [prefilled, prefilled + batch) into their ring entries."""
+    start = pool.prefilled
+    tokens = jax.lax.dynamic_slice_in_dim(prompt_bp, start, batch)
+    mask = jax.lax.dynamic_slice_in_dim(mask_bp, start, batch)
+    cache, logits_bv = prompt_forward(cfg, params, tokens, mask, batch_invariant=batch_invariant)
+    entry = start % pool.pos_gp.shape[0]
+    put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), entry, 0)
+    layers = tuple({name: put(pc[name], lc[name]) for name in pc} for pc, lc in zip(pool.layers, cache["layers"]))
+    return pool.replace(layers=layers, pos_gp=put(pool.pos_gp, cache["pos"]), logits_gv=put(pool.logits_gv, logits_bv),
+                        next_pos_g=put(pool.next_pos_g, jnp.sum(mask, axis=1, dtype=jnp.int32)),
+                        prefilled=start + batch)
+
+
+def _admit(state: SlotState, row_keys_r, num_rows, max_new, scalars, *, spec: StaticControls,
+           layout: Layout) -> SlotState:
+    """Moves up to `layout.refill` pending rows, in input order, into free slots and draws their
+    token 0 from the pool's logits (see the module docstring)."""
+    s_count, a_count = layout.slots, layout.refill
+    pool = state.pool
+    entries, prompt_len = pool.pos_gp.shape
+    rows_total = state.length_r.shape[0]
+    free_s = ~state.live_s
+    a = jnp.arange(a_count, dtype=jnp.int32)
+    slot_a = jnp.searchsorted(jnp.cumsum(free_s, dtype=jnp.int32), a + 1).astype(jnp.int32)  # the a-th free slot
+    row_a = state.next_row + a
+    prompt_a = row_a // layout.num_samples
+    ok_a = (a < jnp.sum(free_s, dtype=jnp.int32)) & (row_a < num_rows) & (prompt_a < pool.prefilled)
+    slot_tgt = jnp.where(ok_a, slot_a, s_count)  # out of range: dropped by the scatters
+    row_tgt = jnp.where(ok_a, row_a, rows_total)
+    entry_a = prompt_a % entries
+    row_safe = jnp.minimum(row_a, rows_total - 1)
+
+    def copy_prompt(buf, pooled, name):  # the prompt's P slots of one layer's keys or values
+        axis = CACHE_SLOT_AXIS[name]
+        index = (slot_tgt,) + (slice(None),) * (axis - 1) + (slice(0, prompt_len),)
+        return buf.at[index].set(pooled[entry_a], mode="drop")
+
+    cache = state.cache
+    layers = tuple({name: copy_prompt(lc[name], pc[name], name) for name in lc}
+                   for lc, pc in zip(cache["layers"], pool.layers))
+    new_slots = cache["pos"].shape[1] - prompt_len
+    pos_a = jnp.concatenate([pool.pos_gp[entry_a], jnp.full((a_count, new_slots), -1, jnp.int32)], axis=1)
+    cache = {"layers": layers, "pos": cache["pos"].at[slot_tgt].set(pos_a, mode="drop"),
+             "index": cache["index"].at[slot_tgt].set(prompt_len, mode="drop")}
+
+    step0 = jnp.zeros((a_count,), jnp.int32)
+    tok_a, logp_a, slp_a = draw(pool.logits_gv[entry_a], row_keys_r[row_safe], row_a, step0, scalars, spec)
+    window0 = jnp.full((a_count, state.window_sl.shape[1]), -1, jnp.int32)
+    window_a, hit_eos, hit_stop = stop_flags(window0, tok_a, ok_a, spec)
+    ended = hit_eos | hit_stop | (max_new <= 1)
+    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
+    put_row = lambda buf, x: buf.at[row_tgt, 0].set(x.astype(buf.dtype), mode="drop")
+    put_slot = lambda buf, x: buf.at[slot_tgt].set(x.astype(buf.dtype), mode="drop")
+    return state.replace(
+        cache=cache, row_s=put_slot(state.row_s, row_a), step_s=put_slot(state.step_s, step0 + 1),
+        live_s=put_slot(state.live_s, ~ended), last_token_s=put_slot(state.last_token_s, tok_a),
+        next_pos_s=put_slot(state.next_pos_s, pool.next_pos_g[entry_a]),
+        window_sl=put_slot(state.window_sl, window_a),
+        tokens_rn=put_row(state.tokens_rn, tok_a), logp_rn=put_row(state.logp_rn, logp_a),
+        sampling_logp_rn=put_row(state.sampling_logp_rn, slp_a),
+        length_r=state.length_r.at[row_tgt].set(1, mode="drop"),
+        finish_r=state.finish_r.at[row_tgt].set(reason, mode="drop"),
+        next_row=state.next_row + jnp.sum(ok_a, dtype=jnp.int32))
+
+
+def _decode_step(cfg: ModelConfig, layer_params, state: SlotState, row_keys_r, max_new, scalars, rope_cos_sin,
+                 *, spec: StaticControls) -> SlotState:
+    """One forward step over every slot; running slots draw and record their next token."""
+    live_s = state.live_s
+    rows_total = state.length_r.shape[0]
+    logits_sv, cache = step_forward(cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.cache,
+                                    rope_cos_sin, batch_invariant=spec.batch_invariant)
+    cache = dict(cache, index=jnp.where(live_s, cache["index"], state.cache["index"]))  # idle slots stay put
+    row_safe = jnp.clip(state.row_s, 0, rows_total - 1)
+    tok_s, logp_s, slp_s = draw(logits_sv, row_keys_r[row_safe], state.row_s, state.step_s, scalars, spec)
+    tok_s = jnp.where(live_s, tok_s, spec.pad_id)
+    row_tgt = jnp.where(live_s, state.row_s, rows_total)
+    put = lambda buf, x: buf.at[row_tgt, state.step_s].set(x.astype(buf.dtype), mode="drop")
+    window, hit_eos, hit_stop = stop_flags(state.window_sl, tok_s, live_s, spec)
+    step_s = state.step_s + live_s
+    ended = hit_eos | hit_stop | (live_s & (step_s >= max_new))
+    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
+    any_live = jnp.any(live_s)
+    return state.replace(
+        cache=cache, step_s=step_s, live_s=live_s & ~ended, last_token_s=tok_s,
+        next_pos_s=state.next_pos_s + live_s, window_sl=window,
+        tokens_rn=put(state.tokens_rn, tok_s), logp_rn=put(state.logp_rn, logp_s),
+        sampling_logp_rn=put(state.sampling_logp_rn, slp_s),
+        length_r=state.length_r.at[row_tgt].set(step_s, mode="drop"),
+        finish_r=state.finish_r.at[jnp.where(ended, state.row_s, rows_total)].set(reason, mode="drop"),
+        decode_steps=state.decode_steps + any_live,
+        live_row_steps=state.live_row_steps + jnp.sum(live_s, dtype=jnp.int32))
+
+
+def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
+                      spec: StaticControls, layout: Layout) -> SampleResult:
+    """Traceable continuous-batching sampler: B left-padded prompts -> B * n completions, rows
+    prompt-major (row i * n + j is sample j of prompt i), as `rljax.sampling.sample` returns.
+
+    `num_rows` (traced int32, <= B * n) is how many rows are real: rows from there on (padding
+    prompts) are never decoded and come back empty. `max_new` and `scalars` are traced as in the
+    static sampler; `layout` (see `plan_layout`) and `spec` are static. The result has
+    `layout.new_bucket` columns; the callers keep the first max_new_tokens.
+    """
+    layer_params = unstack_layers(params)
+    mask_bp = mask_bp.astype(bool)
+    b, prompt_len = prompt_bp.shape
+    n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket
+    rows_total = b * n
+    batch = layout.prefill_batch
+    if batch and b % batch:  # whole prefill batches: pad with one-token prompts that are never admitted
+        extra = batch - b % batch
+        prompt_bp = jnp.pad(prompt_bp, ((0, extra), (0, 0)))
+        mask_bp = jnp.pad(mask_bp, ((0, extra), (0, 0))).at[b:, -1].set(True)
+    num_prompts = prompt_bp.shape[0]
+
+    entries = 2 * batch if batch else num_prompts
+    pool = _empty_pool(cfg, entries, prompt_len)
+    if not batch:
+        pool = _prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, num_prompts,
+                                  batch_invariant=spec.batch_invariant)
+    slot_len = prompt_len + new_bucket
+    cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
+    window = max([len(q) for q in spec.stop_sequences], default=1)
+    zeros_s = jnp.zeros((s_count,), jnp.int32)
+    state = SlotState(
+        cache=cache, row_s=zeros_s - 1, step_s=zeros_s, live_s=jnp.zeros((s_count,), bool), last_token_s=zeros_s,
+        next_pos_s=zeros_s, window_sl=jnp.full((s_count, window), -1, jnp.int32),
+        tokens_rn=jnp.full((rows_total, new_bucket), spec.pad_id, jnp.int32),
+        logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
+        sampling_logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
+        length_r=jnp.zeros((rows_total,), jnp.int32), finish_r=jnp.full((rows_total,), FINISH_LENGTH, jnp.int32),
+        next_row=jnp.zeros((), jnp.int32), pool=pool, decode_steps=jnp.zeros((), jnp.int32),
+        live_row_steps=jnp.zeros((), jnp.int32))
+    keys_r = row_keys(key, rows_total)
+    rope_cos_sin = rope_table(cfg, slot_len)
+    num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
+    prompts_needed = (num_rows + n - 1) // n
+
+    def maybe_prefill(st: SlotState) -> SlotState:
+        need = (st.pool.prefilled < prompts_needed) & (st.next_row // n >= st.pool.prefilled - batch)
+        fill = lambda st: st.replace(pool=_prefill_into_pool(cfg, layer_params, st.pool, prompt_bp, mask_bp, batch,
+                                                                  batch_invariant=spec.batch_invariant))
+        return jax.lax.cond(need, fill, lambda st: st, st)
+
+    def maybe_admit(st: SlotState) -> SlotState:
+        can = jnp.any(~st.live_s) & (st.next_row < num_rows)
+        admit = lambda st: _admit(st, keys_r, num_rows, max_new, scalars, spec=spec, layout=layout)
+        return jax.lax.cond(can, admit, lambda st: st, st)
+
+    def cond(st: SlotState):
+        return jnp.any(st.live_s) | (st.next_row < num_rows)
+
+    def body(st: SlotState) -> SlotState:
+        if batch:
+            st = maybe_prefill(st)
+        st = maybe_admit(st)
+        return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec)
+
+    state = jax.lax.while_loop(cond, body, state)
+    mask = jnp.arange(new_bucket)[None, :] < state.length_r[:, None]
+    return SampleResult(tokens=state.tokens_rn, logprobs=state.logp_rn, sampling_logprobs=state.sampling_logp_rn,
+                        mask=mask, lengths=state.length_r, finish_reason=state.finish_r,
+                        decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=s_count)
+
+
+def trim(result: SampleResult, rows: int, width: int) -> SampleResult:
+    """The first `rows` rows and `width` (= max_new_tokens) columns of a continuous result."""
+    cut = lambda x: x[:rows, :width]
+    return result.replace(tokens=cut(result.tokens), logprobs=cut(result.logprobs),
+                          sampling_logprobs=cut(result.sampling_logprobs), mask=cut(result.mask),
+                          lengths=result.lengths[:rows], finish_reason=result.finish_reason[:rows])
