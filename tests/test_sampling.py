@@ -292,24 +292,25 @@ def test_controls_helpers_and_hashable_static_half():
 _PROMPTS = (np.asarray([[0, 0, 5, 17, 33], [4, 8, 15, 16, 23]], np.int32),
             np.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], bool))
 _GREEDY = [[123, 76, 92, 14, 119, 14, 113, 58], [39, 118, 63, 114, 3, 116, 8, 54]]
-_SAMPLED = [[123, 76, 78, 92, 97, 56, 1, 1], [123, 14, 69, 38, 0, 1, 1, 1],
-            [63, 18, 17, 102, 55, 84, 42, 25], [99, 49, 30, 107, 122, 113, 90, 77]]
+_SAMPLED = [[120, 78, 35, 58, 53, 1, 1, 1], [123, 42, 61, 105, 1, 1, 1, 1],
+            [63, 0, 21, 109, 60, 17, 85, 70], [100, 58, 8, 4, 44, 70, 70, 39]]
 
 
 def test_sample_controls_are_the_one_form(tiny):
-    """generate, stream and the traceable sample take one SampleControls and draw the tokens the
-    old keyword-argument API drew (fixed expected runs); the keyword form is gone."""
+    """generate, stream and the traceable sample take one SampleControls and draw the same fixed
+    expected runs (recorded when rows got their own keys, fold_in(key, row)); the keyword form is
+    gone."""
     from rljax.sampling import sampler as S
     cfg, params = tiny
     tokens, mask = _PROMPTS
     greedy = SampleControls(max_new_tokens=8, greedy=True)
     sampled = SampleControls(max_new_tokens=8, num_samples=2, temperature=0.9, top_k=40, top_p=0.95, min_p=0.01,
-                             eos_ids=(56,), stop_sequences=((38, 0),), pad_id=1)
+                             eos_ids=(53,), stop_sequences=((61, 105),), pad_id=1)
     g = generate(cfg, params, tokens, mask, key=jax.random.key(0), controls=greedy)
     assert np.asarray(g.tokens).tolist() == _GREEDY
     res = generate(cfg, params, tokens, mask, key=jax.random.key(3), controls=sampled)
     assert np.asarray(res.tokens).tolist() == _SAMPLED
-    assert np.asarray(res.lengths).tolist() == [6, 5, 8, 8]
+    assert np.asarray(res.lengths).tolist() == [5, 4, 8, 8]
     assert np.asarray(res.finish_reason).tolist() == [FINISH_EOS, FINISH_STOP, FINISH_LENGTH, FINISH_LENGTH]
 
     streamed = list(stream(cfg, params, tokens, mask, key=jax.random.key(3), controls=sampled, chunk=3))
@@ -346,7 +347,7 @@ def test_train_config_sampling_is_sample_controls(tmp_path):
 
 def test_cli_sample_streams_text(tmp_path, capsys):
     """`rljax sample` loads a HF directory with its tokenizer, renders the chat template and prints
-    the decoded greedy completion; a missing checkpoint is a one-line error."""
+    the decoded greedy completion, with either scheduler; a missing checkpoint is a one-line error."""
     import tokenizers
     from tokenizers import models, pre_tokenizers
 
@@ -368,5 +369,8 @@ def test_cli_sample_streams_text(tmp_path, capsys):
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "w10 w11", "--chat", "--greedy",
                  "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.split() == want.split()
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "w10 w11", "--chat", "--greedy",
+                 "--max-new-tokens", "5", "--scheduler", "continuous", "--slots", "1"]) == 0
+    assert capsys.readouterr().out.split() == want.split()  # the continuous scheduler, one chunk
     assert main(["sample", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "config.json" in capsys.readouterr().err

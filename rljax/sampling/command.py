@@ -18,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1 turns it off")
     p.add_argument("--min-p", type=float, default=0.0, help="0 turns it off")
     p.add_argument("--greedy", action="store_true")
+    p.add_argument("--scheduler", choices=("static", "continuous"), default="static",
+                   help="continuous: decode --slots rows at a time, refilling ended rows (prints at the end)")
+    p.add_argument("--slots", type=int, default=0, help="continuous: rows decoded at once (0: min(rows, 64))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stream", action="store_true", help="print only when generation ends")
     p.set_defaults(func=_sample)
@@ -45,7 +48,8 @@ def _sample(args) -> int:
         raise DataError("--prompt is empty; pass the text to continue")
     controls = SampleControls(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              greedy=args.greedy)  # checked before the checkpoint loads
+                              greedy=args.greedy, scheduler=args.scheduler,
+                              slots=args.slots)  # checked before the checkpoint loads
     cfg, params = load_hf(ckpt)
     tok = tokenizers.load(ckpt)
     if args.chat:
@@ -57,7 +61,7 @@ def _sample(args) -> int:
         raise DataError("the prompt encodes to no tokens; pass a longer prompt")
     controls = controls.with_tokenizer(tok, extra_eos_ids=cfg.eos_ids)
     chunks = stream(cfg, params, np.asarray([ids], np.int32), key=jax.random.key(args.seed), controls=controls)
-    live = args.num_samples == 1 and not args.no_stream
+    live = args.num_samples == 1 and not args.no_stream and args.scheduler == "static"
     rows = [[] for _ in range(args.num_samples)]
     shown = ""
     for tokens, mask in chunks:

@@ -149,6 +149,14 @@ def _prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, ma
                         prefilled=start + batch)
 
 
+def _reset_positions(pos_sl, slot_tgt, prompt_pos_ap):
+    """Key positions of the slots `slot_tgt` for their new rows: the prompt's on [0, P) and -1
+    (empty, never attended) on the generated region, which still holds the previous row's keys."""
+    new_slots = pos_sl.shape[1] - prompt_pos_ap.shape[1]
+    fresh = jnp.concatenate([prompt_pos_ap, jnp.full((prompt_pos_ap.shape[0], new_slots), -1, jnp.int32)], axis=1)
+    return pos_sl.at[slot_tgt].set(fresh, mode="drop")
+
+
 def _admit(state: SlotState, row_keys_r, num_rows, max_new, scalars, *, spec: StaticControls,
            layout: Layout) -> SlotState:
     """Moves up to `layout.refill` pending rows, in input order, into free slots and draws their
@@ -176,9 +184,7 @@ def _admit(state: SlotState, row_keys_r, num_rows, max_new, scalars, *, spec: St
     cache = state.cache
     layers = tuple({name: copy_prompt(lc[name], pc[name], name) for name in lc}
                    for lc, pc in zip(cache["layers"], pool.layers))
-    new_slots = cache["pos"].shape[1] - prompt_len
-    pos_a = jnp.concatenate([pool.pos_gp[entry_a], jnp.full((a_count, new_slots), -1, jnp.int32)], axis=1)
-    cache = {"layers": layers, "pos": cache["pos"].at[slot_tgt].set(pos_a, mode="drop"),
+    cache = {"layers": layers, "pos": _reset_positions(cache["pos"], slot_tgt, pool.pos_gp[entry_a]),
              "index": cache["index"].at[slot_tgt].set(prompt_len, mode="drop")}
 
     step0 = jnp.zeros((a_count,), jnp.int32)
@@ -276,15 +282,11 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     prompts_needed = (num_rows + n - 1) // n
 
     def maybe_prefill(st: SlotState) -> SlotState:
+        # The cond carries only the pool: a cond over the whole state can copy the slots' cache.
         need = (st.pool.prefilled < prompts_needed) & (st.next_row // n >= st.pool.prefilled - batch)
-        fill = lambda st: st.replace(pool=_prefill_into_pool(cfg, layer_params, st.pool, prompt_bp, mask_bp, batch,
-                                                                  batch_invariant=spec.batch_invariant))
-        return jax.lax.cond(need, fill, lambda st: st, st)
-
-    def maybe_admit(st: SlotState) -> SlotState:
-        can = jnp.any(~st.live_s) & (st.next_row < num_rows)
-        admit = lambda st: _admit(st, keys_r, num_rows, max_new, scalars, spec=spec, layout=layout)
-        return jax.lax.cond(can, admit, lambda st: st, st)
+        fill = lambda pool: _prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, batch,
+                                               batch_invariant=spec.batch_invariant)
+        return st.replace(pool=jax.lax.cond(need, fill, lambda pool: pool, st.pool))
 
     def cond(st: SlotState):
         return jnp.any(st.live_s) | (st.next_row < num_rows)
@@ -292,7 +294,9 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     def body(st: SlotState) -> SlotState:
         if batch:
             st = maybe_prefill(st)
-        st = maybe_admit(st)
+        # Admission runs every step, with its scatters dropped when no slot is free: its cost is
+        # `refill` prompt copies, and skipping it with a cond would pass the whole cache through.
+        st = _admit(st, keys_r, num_rows, max_new, scalars, spec=spec, layout=layout)
         return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec)
 
     state = jax.lax.while_loop(cond, body, state)

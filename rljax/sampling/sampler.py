@@ -123,7 +123,9 @@ def _generate_continuous(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask
     layout = C.plan_layout(controls, bucket, tokens.shape[1])
     result = _continuous_jit(cfg, params, tokens, mask, key, np.int32(controls.max_new_tokens), controls.scalars(),
                              np.int32(b * controls.num_samples), spec=spec, layout=layout)
-    return C.trim(result, b * controls.num_samples, controls.max_new_tokens)
+    rows, width = b * controls.num_samples, controls.max_new_tokens
+    host = jax.device_get(result)  # trimmed on the host: slicing on device would compile per row count
+    return jax.device_put(C.trim(host, rows, width))
 
 
 def stream(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, key: jax.Array,
@@ -132,7 +134,13 @@ def stream(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, k
 
     The same compiled prefill and decode run; decode stops every `chunk` tokens (a traced limit, so
     no recompilation) and resumes on the donated state. Same key, same tokens as `generate`.
+    With `controls.scheduler == "continuous"` the rows are decoded in slots as `generate` does and
+    come back as one chunk, when the last row ends.
     """
+    if controls.scheduler == "continuous":
+        res = jax.device_get(generate(cfg, params, prompt_tokens_bt, prompt_mask_bt, key=key, controls=controls))
+        yield res.tokens, res.mask
+        return
     max_new_tokens = controls.max_new_tokens
     state, spec, params = start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key=key, controls=controls)
     widths = iter(D.phase_widths(D.bucket_length(max_new_tokens), max_new_tokens))
