@@ -102,18 +102,32 @@ class Layout:
     prefill_batch: int = flax.struct.field(pytree_node=False)  # prompts per in-loop prefill; 0 = all up front
     num_samples: int = flax.struct.field(pytree_node=False)
     new_bucket: int = flax.struct.field(pytree_node=False)
+    kv_layout: str = flax.struct.field(pytree_node=False, default="slots")  # or "paged" (rljax.sampling.paged)
+    page_size: int = flax.struct.field(pytree_node=False, default=16)
+    num_pages: int = flax.struct.field(pytree_node=False, default=0)  # paged: pages in each layer's pool
 
 
 def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> Layout:
     """Slots, refill and prefill sizes for `num_prompts` prompts of (bucketed) length `prompt_len`.
 
     S = slots if set, else max_total_tokens // (P + N) if set, else min(rows, 64); at most the rows.
+    Paged (`kv_layout="paged"`): max_total_tokens // page_size pages, and S = slots or min(rows, 64)
+    whatever the budget, since pages are taken only as rows grow.
     """
     rows = num_prompts * controls.num_samples
     new_bucket = bucket_length(controls.max_new_tokens)
     per_slot = prompt_len + new_bucket
     slots = controls.slots
-    if controls.max_total_tokens:
+    num_pages = 0
+    if controls.kv_layout == "paged":
+        page = controls.page_size
+        num_pages = controls.max_total_tokens // page
+        need = max(-(-per_slot // page), -(-prompt_len // page) + 1)  # one row alone always fits
+        if num_pages < need:
+            raise ConfigError(f"sampling: max_total_tokens={controls.max_total_tokens} holds {num_pages} pages of "
+                              f"{page} tokens, and one row (prompt bucket {prompt_len} + new-token bucket "
+                              f"{new_bucket}) needs {need}; raise it to at least {need * page}")
+    elif controls.max_total_tokens:
         fit = controls.max_total_tokens // per_slot
         if fit < 1:
             raise ConfigError(f"sampling: max_total_tokens={controls.max_total_tokens} holds no slot of "
@@ -124,18 +138,19 @@ def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> 
     refill = min(controls.refill_batch or max(1, slots // 4), slots)
     prefill_batch = controls.prefill_batch if 0 < controls.prefill_batch < num_prompts else 0
     return Layout(slots=slots, refill=refill, prefill_batch=prefill_batch, num_samples=controls.num_samples,
-                  new_bucket=new_bucket)
+                  new_bucket=new_bucket, kv_layout=controls.kv_layout, page_size=controls.page_size,
+                  num_pages=num_pages)
 
 
-def _empty_pool(cfg: ModelConfig, entries: int, prompt_len: int) -> PromptPool:
+def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int) -> PromptPool:
     empty = init_cache(cfg, entries, prompt_len)
     return PromptPool(layers=empty["layers"], pos_gp=empty["pos"],
                       logits_gv=jnp.zeros((entries, cfg.vocab_size), jnp.float32),
                       next_pos_g=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32))
 
 
-def _prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mask_bp, batch: int, *,
-                       batch_invariant: bool) -> PromptPool:
+def prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mask_bp, batch: int, *,
+                      batch_invariant: bool) -> PromptPool:
     """Prefills prompts [prefilled, prefilled + batch) into their ring entries."""
     start = pool.prefilled
     tokens = jax.lax.dynamic_slice_in_dim(prompt_bp, start, batch)
@@ -245,7 +260,12 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     prompts) are never decoded and come back empty. `max_new` and `scalars` are traced as in the
     static sampler; `layout` (see `plan_layout`) and `spec` are static. The result has
     `layout.new_bucket` columns; the callers keep the first max_new_tokens.
+    With `layout.kv_layout == "paged"` the same loop runs over a paged cache (`rljax.sampling.paged`).
     """
+    if layout.kv_layout == "paged":
+        from rljax.sampling.paged import sample_paged  # paged builds on this module's pool and layout
+        return sample_paged(cfg, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, spec=spec,
+                            layout=layout)
     layer_params = unstack_layers(params)
     mask_bp = mask_bp.astype(bool)
     b, prompt_len = prompt_bp.shape
@@ -259,9 +279,9 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     num_prompts = prompt_bp.shape[0]
 
     entries = 2 * batch if batch else num_prompts
-    pool = _empty_pool(cfg, entries, prompt_len)
+    pool = empty_pool(cfg, entries, prompt_len)
     if not batch:
-        pool = _prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, num_prompts,
+        pool = prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, num_prompts,
                                   batch_invariant=spec.batch_invariant)
     slot_len = prompt_len + new_bucket
     cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
@@ -284,7 +304,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     def maybe_prefill(st: SlotState) -> SlotState:
         # The cond carries only the pool: a cond over the whole state can copy the slots' cache.
         need = (st.pool.prefilled < prompts_needed) & (st.next_row // n >= st.pool.prefilled - batch)
-        fill = lambda pool: _prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, batch,
+        fill = lambda pool: prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, batch,
                                                batch_invariant=spec.batch_invariant)
         return st.replace(pool=jax.lax.cond(need, fill, lambda pool: pool, st.pool))
 

@@ -28,6 +28,7 @@ from rljax.sampling.filters import Filters, make_filters
 
 
 SCHEDULERS = ("static", "continuous")
+KV_LAYOUTS = ("slots", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,11 @@ class SampleControls:
     prefill_batch: continuous only: prompts prefilled together inside the decode loop as slots
       need them (a ring of 2 x prefill_batch prompts); 0 prefills every prompt once, up front.
     refill_batch: continuous only: the most slots refilled in one decode step (0: slots / 4).
+    kv_layout: continuous only: "slots" (each slot a contiguous bucket(prompt) + bucket(new)
+      cache) or "paged" (`rljax.sampling.paged`: a pool of `max_total_tokens // page_size` pages
+      taken as rows grow, full prompt pages shared by a prompt's samples; needs
+      max_total_tokens, prefills every prompt up front).
+    page_size: tokens per page of the paged layout (>= 1).
     batch_invariant: compute every row alone (prefill and decode), and decode the static loop at
       full cache width, so a row's tokens and log-probs are bitwise the same whatever batch, slot
       count or scheduler computes it. Slower (the weights are read once per row); for checks
@@ -93,6 +99,8 @@ class SampleControls:
     max_total_tokens: int = 0
     prefill_batch: int = 0
     refill_batch: int = 0
+    kv_layout: str = "slots"
+    page_size: int = 16
     batch_invariant: bool = False
     logits_processor: Callable | None = None
 
@@ -106,7 +114,7 @@ class SampleControls:
                           pad_id=None if self.pad_id is None else int(self.pad_id),
                           slots=int(self.slots), max_total_tokens=int(self.max_total_tokens),
                           prefill_batch=int(self.prefill_batch), refill_batch=int(self.refill_batch),
-                          batch_invariant=bool(self.batch_invariant))
+                          page_size=int(self.page_size), batch_invariant=bool(self.batch_invariant))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
                               f"{err}") from None
@@ -121,12 +129,30 @@ class SampleControls:
         for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
+        self._check_kv_layout()
         if self.logits_processor is not None and not callable(self.logits_processor):
             raise ConfigError("sampling: logits_processor must be a function fn(logits_bv, row_b, step_b) -> logits_bv")
         if any(not s for s in self.stop_sequences):
             raise ConfigError(f"sampling: stop_sequences must be non-empty token-id sequences, got "
                               f"{self.stop_sequences}")
         self.filters()  # checks temperature, top_k, top_p and min_p
+
+    def _check_kv_layout(self):
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"sampling: kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.page_size < 1:
+            raise ConfigError(f"sampling: page_size must be >= 1 tokens, got {self.page_size}")
+        if self.kv_layout != "paged":
+            return
+        if self.scheduler != "continuous":
+            raise ConfigError("sampling: kv_layout='paged' needs scheduler='continuous'; set scheduler = \"continuous\" "
+                              "or kv_layout = \"slots\"")
+        if not self.max_total_tokens:
+            raise ConfigError("sampling: kv_layout='paged' sizes its page pool from max_total_tokens; set "
+                              "max_total_tokens (the KV budget in tokens)")
+        if self.prefill_batch:
+            raise ConfigError(f"sampling: kv_layout='paged' prefills every prompt up front; set prefill_batch = 0 "
+                              f"(got {self.prefill_batch})")
 
     def filters(self) -> Filters:
         """Which filters are on (temperature 0 or `greedy` turns them all off)."""

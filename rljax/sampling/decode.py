@@ -83,6 +83,9 @@ class SampleResult:
     decode_steps      int32  [] decode forward steps the loop ran (token 0 comes from the prefill)
     live_row_steps    int32  [] (row, step) pairs of those steps that decoded a running row
     slots             int    rows each decode step computes (static: B * n), not a pytree leaf
+    preemptions       int32  [] paged layout: rows preempted when the page pool ran out (else 0)
+    peak_pages        int32  [] paged layout: the most pages in use at once (else 0)
+    free_pages        int32  [] paged layout: free pages when the loop ended (all of them: no leak)
 
     Occupancy = live_row_steps / (decode_steps * slots); the rest of the decode compute went to
     rows that had ended (or, continuous, to empty slots).
@@ -97,6 +100,9 @@ class SampleResult:
     decode_steps: jax.Array
     live_row_steps: jax.Array
     slots: int = flax.struct.field(pytree_node=False, default=0)
+    preemptions: jax.Array | int = 0
+    peak_pages: jax.Array | int = 0
+    free_pages: jax.Array | int = 0
 
 
 @flax.struct.dataclass

@@ -1,0 +1,378 @@
+"""Paged KV layout for the continuous scheduler: pages taken as rows grow, shared by a prompt's
+samples, handed back when rows end (`SampleControls.kv_layout = "paged"`).
+
+The slot layout (`rljax.sampling.continuous`) reserves bucket(P) + bucket(N) tokens per slot from
+the moment a row is admitted, so a budget of T tokens decodes T / (P + N) rows at once, however
+short they turn out. Here the budget is a pool of `max_total_tokens // page_size` pages per layer
+(the vLLM design: Kwon et al., 2023, "Efficient Memory Management for Large Language Model Serving
+with PagedAttention"), and a row holds only the pages its tokens fill:
+
+    page pool   per layer k, v [K, pages, page_size, H] (the layout of JAX's Pallas kernel)
+    page table  per slot: the physical page of each logical page; a row's tokens are contiguous in
+                its pages from logical position 0 (the prompt's real tokens only, no padding),
+                so token i sits at (table[i // page_size], i % page_size) and a key is valid
+                iff i < the row's stored length
+    free stack  the free pages; allocation pops, release pushes (fixed-size scatters, in the loop)
+
+    admission   a row is admitted only when its prompt's pages plus one are free. The first
+                running row of a prompt copies the prompt's full pages from the prompt pool
+                into fresh pages that every running sample of the prompt then points at
+                (reference counted); the partly filled last prompt page is copied per row (copy
+                on write: each row appends its own tokens there)
+    growth      before each decode step, a slot whose length reaches a page boundary pops a page
+    exhaustion  when the free pages do not cover them, the most recently admitted running row
+                is preempted: its pages go back and the row returns to the head of the queue
+                (rows are admitted lowest index first). It restarts from token 0 later and draws
+                the same tokens, because row r draws token t from fold_in(fold_in(key, r), t)
+    release     a row that ends hands back its own pages, and its prompt's shared pages when it
+                was the prompt's last running row
+
+Attention, by backend. On CPU and GPU the step gathers each slot's pages into the contiguous
+slot layout's arrangement (prompt right-aligned in [0, P), generated tokens from P, positions -1
+elsewhere) and runs the model's own cached forward (`step_forward`, `cached_attention`): the
+arithmetic is the slot layout's, so with `batch_invariant` the paged tokens and log-probs equal
+the slot layout's and the static scheduler's bitwise. The gathered view is transient (one
+[S, K, H, P + N] buffer per layer for the step); the pages are what persists. On TPU, JAX ships
+a Pallas kernel (`jax.experimental.pallas.ops.tpu.paged_attention`) that reads the pages in
+place; `tpu_paged_attention` wraps it for one decode query per row. It is not yet called by the
+decode step (the model's layer loop has no paged-attention hook), so every backend runs the
+gather today. The kernel runs on CPU under `pltpu.force_tpu_interpret_mode()`, where its matmuls
+round like the TPU's default precision (about 1e-3 from an f32 reference); tests/test_paged.py
+checks it against the gather at that tolerance.
+
+Memory. Persistent KV: pages x page_size tokens per layer plus the prompt pool (every prompt
+prefilled up front, G x P, as the slot layout's default). The counters report the peak pages in
+use and the preemptions, and the free pages at the end (all of them when nothing leaks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rljax.models import ModelConfig, rope_table, unstack_layers
+from rljax.sampling.continuous import Layout, PromptPool, empty_pool, prefill_into_pool
+from rljax.sampling.controls import StaticControls
+from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, row_keys,
+                                   step_forward, stop_flags)
+
+
+@flax.struct.dataclass
+class PageTable:
+    """Who holds which page (small; the page contents live in `PagedState.kv`)."""
+
+    table_sk: jax.Array  # [S, max pages per row] physical page of each logical page
+    shared_s: jax.Array  # leading logical pages shared with the row's prompt group (full prompt pages)
+    held_s: jax.Array  # logical pages the slot holds (shared + its own)
+    prompt_s: jax.Array  # the slot's prompt (G when idle)
+    prompt_len_s: jax.Array  # its real prompt length
+    order_s: jax.Array  # admission number of the slot's row (preemption takes the largest)
+    group_pages_gk: jax.Array  # [G, prompt pages] shared full prompt pages of each prompt
+    refs_g: jax.Array  # running rows of each prompt
+    stack_p: jax.Array  # free pages in stack_p[:free]
+    free: jax.Array
+    admitted: jax.Array  # admissions so far (re-admissions included)
+    peak: jax.Array  # the most pages in use at once
+    preemptions: jax.Array
+
+
+@flax.struct.dataclass
+class PagedState:
+    """What the paged continuous loop carries: `SlotState` with pages instead of slot caches."""
+
+    kv: Any  # per layer {"k": [K, pages, page, H], "v": [K, pages, page, H]}
+    pages: PageTable
+    row_s: jax.Array
+    step_s: jax.Array
+    live_s: jax.Array
+    last_token_s: jax.Array
+    next_pos_s: jax.Array  # the fed token's position = tokens stored for the row
+    window_sl: jax.Array
+    tokens_rn: jax.Array
+    logp_rn: jax.Array
+    sampling_logp_rn: jax.Array
+    length_r: jax.Array
+    finish_r: jax.Array
+    pending_r: jax.Array  # rows waiting for a slot (never admitted, or preempted)
+    pool: PromptPool
+    decode_steps: jax.Array
+    live_row_steps: jax.Array
+
+
+def _push(pt: PageTable, page_x, keep_x) -> PageTable:
+    """Returns the pages `page_x` where `keep_x` to the free stack."""
+    page_x, keep_x = page_x.reshape(-1), keep_x.reshape(-1)
+    at = jnp.where(keep_x, pt.free + jnp.cumsum(keep_x, dtype=jnp.int32) - 1, pt.stack_p.shape[0])
+    return pt.replace(stack_p=pt.stack_p.at[at].set(page_x, mode="drop"),
+                      free=pt.free + jnp.sum(keep_x, dtype=jnp.int32))
+
+
+def _pop(pt: PageTable, want_xk) -> tuple[jax.Array, PageTable]:
+    """Pops one page for every True of `want_xk`, in row-major order (the caller checked there
+    are enough); entries that want none get an arbitrary page."""
+    rank = jnp.cumsum(want_xk.reshape(-1), dtype=jnp.int32).reshape(want_xk.shape) - 1
+    page_xk = pt.stack_p[jnp.clip(pt.free - 1 - rank, 0, pt.stack_p.shape[0] - 1)]
+    free = pt.free - jnp.sum(want_xk, dtype=jnp.int32)
+    return page_xk, pt.replace(free=free, peak=jnp.maximum(pt.peak, pt.stack_p.shape[0] - free))
+
+
+def _release(pt: PageTable, out_s, shared_pages_g) -> PageTable:
+    """Slots `out_s` give back their own pages, and their prompt's shared pages when they were its
+    last running rows (`shared_pages_g`: full pages of each prompt)."""
+    groups, k_prompt = pt.group_pages_gk.shape
+    k = jnp.arange(pt.table_sk.shape[1])
+    own_sk = out_s[:, None] & (k >= pt.shared_s[:, None]) & (k < pt.held_s[:, None])
+    pt = _push(pt, pt.table_sk, own_sk)
+    refs = pt.refs_g.at[jnp.where(out_s, pt.prompt_s, groups)].add(-1, mode="drop")
+    gone_g = (pt.refs_g > 0) & (refs == 0)
+    pt = _push(pt, pt.group_pages_gk, gone_g[:, None] & (jnp.arange(k_prompt) < shared_pages_g[:, None]))
+    zero = lambda x: jnp.where(out_s, 0, x)
+    return pt.replace(refs_g=refs, shared_s=zero(pt.shared_s), held_s=zero(pt.held_s),
+                      prompt_s=jnp.where(out_s, groups, pt.prompt_s))
+
+
+def _copy_prompt_pages(kv, pool: PromptPool, src_gp, entry_a, target_ak, page_size: int):
+    """Writes logical prompt page k of prompt `entry_a` (its real tokens, `src_gp` their pool slots)
+    into physical page target_ak[a, k] (out of range: skipped), in every layer."""
+    a_count, k_prompt = target_ak.shape
+    prompt_len = src_gp.shape[1]
+    logical_ako = jnp.arange(k_prompt)[None, :, None] * page_size + jnp.arange(page_size)
+    src_ako = src_gp[entry_a[:, None, None], jnp.clip(logical_ako, 0, prompt_len - 1)]
+    offset_o = jnp.arange(page_size)[None, None, :]
+    entry = entry_a[:, None, None]
+
+    def put(pages, pooled, name):  # pooled k [G, K, H, P], v [G, K, P, H] -> pages [K, pages, page, H]
+        tokens_akokh = pooled[entry, :, :, src_ako] if name == "k" else pooled[entry, :, src_ako, :]
+        return pages.at[:, target_ak[:, :, None], offset_o, :].set(jnp.moveaxis(tokens_akokh, 3, 0), mode="drop")
+
+    return tuple({name: put(lkv[name], lp[name], name) for name in lkv} for lkv, lp in zip(kv, pool.layers))
+
+
+def _admit(state: PagedState, keys_r, max_new, scalars, src_gp, shared_pages_g, *, spec: StaticControls,
+           layout: Layout) -> PagedState:
+    """Moves up to `layout.refill` pending rows (lowest index first) into free slots when their
+    prompt's pages plus one are free, and draws their token 0 (see the module docstring)."""
+    s_count, a_count, n, page = layout.slots, layout.refill, layout.num_samples, layout.page_size
+    pt, pool = state.pages, state.pool
+    groups, k_prompt = pt.group_pages_gk.shape
+    rows_total = state.length_r.shape[0]
+    free_s = ~state.live_s
+    a = jnp.arange(a_count, dtype=jnp.int32)
+    slot_a = jnp.searchsorted(jnp.cumsum(free_s, dtype=jnp.int32), a + 1).astype(jnp.int32)
+    row_a = jnp.searchsorted(jnp.cumsum(state.pending_r, dtype=jnp.int32), a + 1).astype(jnp.int32)
+    row_safe = jnp.minimum(row_a, rows_total - 1)
+    valid_a = (a < jnp.sum(free_s, dtype=jnp.int32)) & (a < jnp.sum(state.pending_r, dtype=jnp.int32))
+    prompt_a = row_safe // n
+    plen_a = pool.next_pos_g[prompt_a]
+    full_a, part_a = plen_a // page, (plen_a % page > 0).astype(jnp.int32)
+    first_a = jnp.concatenate([jnp.ones((1,), bool), prompt_a[1:] != prompt_a[:-1]])
+    new_group_a = first_a & (pt.refs_g[prompt_a] == 0)
+    need_a = jnp.where(valid_a, jnp.where(new_group_a, full_a, 0) + part_a, 0)
+    ok_a = valid_a & (jnp.cumsum(need_a) + 1 <= pt.free)  # in order: a refusal refuses the rest
+    need_a = jnp.where(ok_a, need_a, 0)
+
+    k = jnp.arange(k_prompt)
+    page_ak, pt = _pop(pt, k[None, :] < need_a[:, None])
+    shared_ak = jnp.where((ok_a & new_group_a)[:, None], page_ak, -1)  # new groups' full pages
+    group_pages = pt.group_pages_gk.at[jnp.where(ok_a & new_group_a, prompt_a, groups)].set(page_ak, mode="drop")
+    own_a = jnp.take_along_axis(page_ak, jnp.maximum(need_a - 1, 0)[:, None], axis=1)[:, 0]  # the partial page
+    row_pages_ak = jnp.where(k[None, :] < full_a[:, None], group_pages[prompt_a], own_a[:, None])
+    target_ak = jnp.where((k[None, :] < full_a[:, None]) & (shared_ak >= 0), row_pages_ak,
+                          jnp.where((k[None, :] == full_a[:, None]) & (part_a[:, None] > 0) & ok_a[:, None],
+                                    own_a[:, None], layout.num_pages))
+    kv = _copy_prompt_pages(state.kv, pool, src_gp, prompt_a, target_ak, page)
+
+    slot_tgt = jnp.where(ok_a, slot_a, s_count)
+    row_tgt = jnp.where(ok_a, row_a, rows_total)
+    put_slot = lambda buf, x: buf.at[slot_tgt].set(x.astype(buf.dtype), mode="drop")
+    pt = pt.replace(
+        table_sk=pt.table_sk.at[slot_tgt, :k_prompt].set(row_pages_ak, mode="drop"),
+        shared_s=put_slot(pt.shared_s, full_a), held_s=put_slot(pt.held_s, full_a + part_a),
+        prompt_s=put_slot(pt.prompt_s, prompt_a), prompt_len_s=put_slot(pt.prompt_len_s, plen_a),
+        order_s=put_slot(pt.order_s, pt.admitted + a), group_pages_gk=group_pages,
+        refs_g=pt.refs_g.at[jnp.where(ok_a, prompt_a, groups)].add(1, mode="drop"),
+        admitted=pt.admitted + jnp.sum(ok_a, dtype=jnp.int32))
+
+    step0 = jnp.zeros((a_count,), jnp.int32)
+    tok_a, logp_a, slp_a = draw(pool.logits_gv[prompt_a], keys_r[row_safe], row_a, step0, scalars, spec)
+    window0 = jnp.full((a_count, state.window_sl.shape[1]), -1, jnp.int32)
+    window_a, hit_eos, hit_stop = stop_flags(window0, tok_a, ok_a, spec)
+    ended_a = hit_eos | hit_stop | (max_new <= 1)
+    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
+    # A row that ends on token 0 never decodes: its pages go straight back.
+    pt = _release(pt, jnp.zeros((s_count,), bool).at[slot_tgt].set(ended_a, mode="drop"), shared_pages_g)
+    put_row = lambda buf, x: buf.at[row_tgt, 0].set(x.astype(buf.dtype), mode="drop")
+    return state.replace(
+        kv=kv, pages=pt, row_s=put_slot(state.row_s, row_a), step_s=put_slot(state.step_s, step0 + 1),
+        live_s=put_slot(state.live_s, ~ended_a), last_token_s=put_slot(state.last_token_s, tok_a),
+        next_pos_s=put_slot(state.next_pos_s, plen_a), window_sl=put_slot(state.window_sl, window_a),
+        tokens_rn=put_row(state.tokens_rn, tok_a), logp_rn=put_row(state.logp_rn, logp_a),
+        sampling_logp_rn=put_row(state.sampling_logp_rn, slp_a),
+        length_r=state.length_r.at[row_tgt].set(1, mode="drop"),
+        finish_r=state.finish_r.at[row_tgt].set(reason, mode="drop"),
+        pending_r=state.pending_r.at[row_tgt].set(False, mode="drop"))
+
+
+def _grow(state: PagedState, shared_pages_g, page_size: int) -> PagedState:
+    """Gives a page to every running slot whose next token starts one, preempting the most
+    recently admitted running rows while the free pages fall short."""
+    rows_total = state.length_r.shape[0]
+
+    def short(carry):
+        pt, live_s, _ = carry
+        need = jnp.sum(live_s & (state.next_pos_s % page_size == 0), dtype=jnp.int32)
+        return (need > pt.free) & jnp.any(live_s)
+
+    def preempt(carry):
+        pt, live_s, pending_r = carry
+        victim_s = jnp.arange(live_s.shape[0]) == jnp.argmax(jnp.where(live_s, pt.order_s, -1))
+        pt = _release(pt, victim_s, shared_pages_g).replace(preemptions=pt.preemptions + 1)
+        row = jnp.where(jnp.any(victim_s), jnp.sum(jnp.where(victim_s, state.row_s, 0)), rows_total)
+        return pt, live_s & ~victim_s, pending_r.at[row].set(True, mode="drop")
+
+    pt, live_s, pending_r = jax.lax.while_loop(short, preempt, (state.pages, state.live_s, state.pending_r))
+    need_s = live_s & (state.next_pos_s % page_size == 0)
+    page_s1, pt = _pop(pt, need_s[:, None])
+    slot_tgt = jnp.where(need_s, jnp.arange(need_s.shape[0]), need_s.shape[0])
+    pt = pt.replace(table_sk=pt.table_sk.at[slot_tgt, pt.held_s].set(page_s1[:, 0], mode="drop"),
+                    held_s=pt.held_s + need_s)
+    return state.replace(pages=pt, live_s=live_s, pending_r=pending_r)
+
+
+def gather_view(kv, pt: PageTable, next_pos_s, prompt_len: int, width: int, page_size: int):
+    """The slot layout's cache rebuilt from the pages: per layer k [S, K, H, W], v [S, K, W, H] and
+    key positions [S, W], with the prompt's real tokens at [P - len, P) and the generated tokens
+    from P (positions -1 elsewhere), and each slot's write index P + generated tokens."""
+    j = jnp.arange(width)[None, :]
+    plen_s = pt.prompt_len_s[:, None]
+    logical_sw = jnp.where(j < prompt_len, j - (prompt_len - plen_s), plen_s + j - prompt_len)
+    valid_sw = (logical_sw >= 0) & (logical_sw < next_pos_s[:, None])
+    logical_sw = jnp.clip(logical_sw, 0, pt.table_sk.shape[1] * page_size - 1)
+    page_sw = jnp.take_along_axis(pt.table_sk, logical_sw // page_size, axis=1)
+    offset_sw = logical_sw % page_size
+    layers = tuple({"k": lkv["k"][:, page_sw, offset_sw, :].transpose(1, 0, 3, 2),
+                    "v": lkv["v"][:, page_sw, offset_sw, :].transpose(1, 0, 2, 3)} for lkv in kv)
+    index_s = prompt_len + next_pos_s - pt.prompt_len_s
+    return {"layers": layers, "pos": jnp.where(valid_sw, logical_sw, -1), "index": index_s}
+
+
+def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_new, scalars, rope_cos_sin,
+                 shared_pages_g, *, spec: StaticControls, layout: Layout) -> PagedState:
+    """One forward step over every slot through the gathered view; the fed token's keys and
+    values go into its page, and rows that end give their pages back."""
+    page = layout.page_size
+    state = _grow(state, shared_pages_g, page)
+    pt, live_s = state.pages, state.live_s
+    rows_total = state.length_r.shape[0]
+    prompt_len = state.pool.pos_gp.shape[1]
+    view = gather_view(state.kv, pt, state.next_pos_s, prompt_len, prompt_len + layout.new_bucket, page)
+    logits_sv, new = step_forward(cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, view,
+                                  rope_cos_sin, batch_invariant=spec.batch_invariant)
+    at_s = view["index"]
+    page_s = jnp.where(live_s, jnp.take_along_axis(pt.table_sk, (state.next_pos_s // page)[:, None], 1)[:, 0],
+                       layout.num_pages)
+    offset_s = state.next_pos_s % page
+
+    def write(pages, dense, axis):  # the fed token's [S, K, H] from the view into its page
+        fed = jnp.take_along_axis(dense, jnp.expand_dims(at_s, (1, 2, 3)), axis=axis)
+        return pages.at[:, page_s, offset_s, :].set(jnp.squeeze(fed, axis).transpose(1, 0, 2), mode="drop")
+
+    kv = tuple({"k": write(lkv["k"], lnew["k"], 3), "v": write(lkv["v"], lnew["v"], 2)}
+               for lkv, lnew in zip(state.kv, new["layers"]))
+
+    row_safe = jnp.clip(state.row_s, 0, rows_total - 1)
+    tok_s, logp_s, slp_s = draw(logits_sv, keys_r[row_safe], state.row_s, state.step_s, scalars, spec)
+    tok_s = jnp.where(live_s, tok_s, spec.pad_id)
+    row_tgt = jnp.where(live_s, state.row_s, rows_total)
+    put = lambda buf, x: buf.at[row_tgt, state.step_s].set(x.astype(buf.dtype), mode="drop")
+    window, hit_eos, hit_stop = stop_flags(state.window_sl, tok_s, live_s, spec)
+    step_s = state.step_s + live_s
+    ended = hit_eos | hit_stop | (live_s & (step_s >= max_new))
+    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
+    return state.replace(
+        kv=kv, pages=_release(pt, ended, shared_pages_g), step_s=step_s, live_s=live_s & ~ended,
+        last_token_s=tok_s, next_pos_s=state.next_pos_s + live_s, window_sl=window,
+        tokens_rn=put(state.tokens_rn, tok_s), logp_rn=put(state.logp_rn, logp_s),
+        sampling_logp_rn=put(state.sampling_logp_rn, slp_s),
+        length_r=state.length_r.at[row_tgt].set(step_s, mode="drop"),
+        finish_r=state.finish_r.at[jnp.where(ended, state.row_s, rows_total)].set(reason, mode="drop"),
+        decode_steps=state.decode_steps + jnp.any(live_s),
+        live_row_steps=state.live_row_steps + jnp.sum(live_s, dtype=jnp.int32))
+
+
+def _empty_pages(cfg: ModelConfig, layout: Layout, groups: int, prompt_len: int) -> tuple[Any, PageTable]:
+    page, pages = layout.page_size, layout.num_pages
+    shape = (cfg.num_kv_heads, pages, page, cfg.head_dim)
+    kv = tuple({"k": jnp.zeros(shape, cfg.compute_jnp_dtype), "v": jnp.zeros(shape, cfg.compute_jnp_dtype)}
+               for _ in range(cfg.num_layers))
+    s_count = layout.slots
+    per_row = -(-(prompt_len + layout.new_bucket) // page)
+    zeros_s = jnp.zeros((s_count,), jnp.int32)
+    scalar = jnp.zeros((), jnp.int32)
+    pt = PageTable(table_sk=jnp.zeros((s_count, per_row), jnp.int32), shared_s=zeros_s, held_s=zeros_s,
+                   prompt_s=zeros_s + groups, prompt_len_s=zeros_s, order_s=zeros_s,
+                   group_pages_gk=jnp.zeros((groups, -(-prompt_len // page)), jnp.int32),
+                   refs_g=jnp.zeros((groups,), jnp.int32), stack_p=jnp.arange(pages, dtype=jnp.int32),
+                   free=jnp.asarray(pages, jnp.int32), admitted=scalar, peak=scalar, preemptions=scalar)
+    return kv, pt
+
+
+def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
+                 spec: StaticControls, layout: Layout) -> SampleResult:
+    """`rljax.sampling.continuous.sample_continuous` over the paged layout (same arguments, same
+    result, plus the page counters). Every prompt is prefilled up front into the prompt pool."""
+    layer_params = unstack_layers(params)
+    mask_bp = mask_bp.astype(bool)
+    b, prompt_len = prompt_bp.shape
+    n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket
+    rows_total = b * n
+    pool = prefill_into_pool(cfg, layer_params, empty_pool(cfg, b, prompt_len), prompt_bp, mask_bp, b,
+                             batch_invariant=spec.batch_invariant)
+    # Pool slot of each prompt's i-th real token (the pages store real tokens only, from position 0).
+    pos_gp = pool.pos_gp
+    src_gp = jnp.zeros_like(pos_gp).at[jnp.arange(b)[:, None], jnp.where(pos_gp >= 0, pos_gp, prompt_len)].set(
+        jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), pos_gp.shape), mode="drop")
+    shared_pages_g = pool.next_pos_g // layout.page_size
+    kv, pt = _empty_pages(cfg, layout, b, prompt_len)
+    window = max([len(q) for q in spec.stop_sequences], default=1)
+    zeros_s = jnp.zeros((s_count,), jnp.int32)
+    num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
+    state = PagedState(
+        kv=kv, pages=pt, row_s=zeros_s - 1, step_s=zeros_s, live_s=jnp.zeros((s_count,), bool),
+        last_token_s=zeros_s, next_pos_s=zeros_s, window_sl=jnp.full((s_count, window), -1, jnp.int32),
+        tokens_rn=jnp.full((rows_total, new_bucket), spec.pad_id, jnp.int32),
+        logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
+        sampling_logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
+        length_r=jnp.zeros((rows_total,), jnp.int32), finish_r=jnp.full((rows_total,), FINISH_LENGTH, jnp.int32),
+        pending_r=jnp.arange(rows_total) < num_rows, pool=pool, decode_steps=jnp.zeros((), jnp.int32),
+        live_row_steps=jnp.zeros((), jnp.int32))
+    keys_r = row_keys(key, rows_total)
+    rope_cos_sin = rope_table(cfg, prompt_len + new_bucket)
+
+    def body(st: PagedState) -> PagedState:
+        st = _admit(st, keys_r, max_new, scalars, src_gp, shared_pages_g, spec=spec, layout=layout)
+        return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, shared_pages_g,
+                            spec=spec, layout=layout)
+
+    state = jax.lax.while_loop(lambda st: jnp.any(st.live_s) | jnp.any(st.pending_r), body, state)
+    mask = jnp.arange(new_bucket)[None, :] < state.length_r[:, None]
+    pt = state.pages
+    return SampleResult(tokens=state.tokens_rn, logprobs=state.logp_rn, sampling_logprobs=state.sampling_logp_rn,
+                        mask=mask, lengths=state.length_r, finish_reason=state.finish_r,
+                        decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=s_count,
+                        preemptions=pt.preemptions, peak_pages=pt.peak, free_pages=pt.free)
+
+
+def tpu_paged_attention(q_bnh, k_pages, v_pages, lengths_b, table_bk, cfg: ModelConfig, *,
+                        pages_per_block: int = 1):
+    """One decode query per row attending over its pages with JAX's Pallas TPU kernel: q [B, N, H]
+    (unscaled), pages [K, pages, page, H], lengths [B] valid keys, table [B, pages per row].
+    Full attention over the first `length` keys (no sliding window), soft cap as the model's."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    q = (q_bnh.astype(jnp.float32) * cfg.query_scale).astype(q_bnh.dtype)
+    return paged_attention(q, k_pages, v_pages, lengths_b.astype(jnp.int32), table_bk.astype(jnp.int32),
+                           attn_logits_soft_cap=cfg.attn_logit_softcap, pages_per_compute_block=pages_per_block)
