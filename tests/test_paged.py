@@ -10,7 +10,6 @@ import pytest
 
 import rljax.models as M
 from rljax.errors import ConfigError
-from rljax.models.transformer import cached_attention
 from rljax.sampling import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleControls, generate
 from rljax.sampling import continuous as C
 from rljax.sampling import paged as PG
@@ -121,36 +120,50 @@ def test_prompt_pages_shared_and_counted(static, roomy):
     assert int(roomy.peak_pages) == shared < unshared
 
 
-def test_pallas_kernel_matches_gather_in_interpret_mode():
-    """JAX's Pallas TPU paged-attention kernel, run on CPU in TPU interpret mode through
-    `tpu_paged_attention`, matches the model's `cached_attention` over the pages gathered densely
-    (positions masked past each row's length) within 1e-2: the interpreter rounds matmuls like
-    the TPU's default precision (measured 2.9e-3 here), while a length off by one moves the
-    output by about 1.
-    Catches: the query left unscaled, pages or the table passed in another layout, lengths that
-    count the fed token twice or not at all."""
+def test_tpu_kernel_step_matches_gather_step_in_interpret_mode(tiny):
+    """The TPU decode step (`kernel_forward`: each layer writes the fed token into its page and
+    attends with JAX's Pallas paged-attention kernel through the model's `kv_attend` hook), run on
+    CPU in TPU interpret mode, matches the CPU/GPU step (`gather_forward`) on 3 rows with prompts
+    of 3, 10 and 16 tokens at positions 5, 17 and 30 over shuffled pages of 4 tokens: logits
+    within 5e-2 of values up to 4 (measured 1.8e-2: the interpreter rounds matmuls like the TPU's
+    default precision), the first layer's written pages to 1e-6, while the gather over a shifted
+    page table is 4 away.
+    Catches: the kernel's query left unscaled, lengths that miss the fed token, the fed token
+    written to another page or offset than the gather path reads, pages in another layout."""
     from jax.experimental.pallas import tpu as pltpu
 
-    cfg = M.preset("qwen2-test")
+    cfg, params = tiny
+    layer_params = M.unstack_layers(params)
     rng = np.random.default_rng(0)
-    b, page, per_row, pages = 3, 8, 4, 12
-    kh, n, h = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
-    q_bnh = jnp.asarray(rng.normal(size=(b, n, h)), jnp.float32)
-    k_pages, v_pages = (jnp.asarray(rng.normal(size=(kh, pages, page, h)), jnp.float32) for _ in range(2))
-    lengths_b = jnp.asarray([5, 17, 32], jnp.int32)
-    table_bk = jnp.asarray(rng.permutation(pages)[:b * per_row].reshape(b, per_row), jnp.int32)
+    page, pages, prompt_len, width = 4, 24, 16, 32
+    shape = (cfg.num_kv_heads, pages, page, cfg.head_dim)
+    kv = tuple({name: jnp.asarray(0.5 * rng.normal(size=shape), jnp.float32) for name in "kv"}
+               for _ in range(cfg.num_layers))
+    zero_s, zero = jnp.zeros((3,), jnp.int32), jnp.zeros((), jnp.int32)
 
-    def reference(lengths):
-        dense = lambda p: p[:, table_bk].reshape(kh, b, per_row * page, h)  # [K, B, T, H]
-        pos_bt = jnp.where(jnp.arange(per_row * page) < lengths[:, None], jnp.arange(per_row * page), -1)
-        out = cached_attention(q_bnh[:, None], dense(k_pages).transpose(1, 0, 3, 2),
-                               dense(v_pages).transpose(1, 0, 2, 3), lengths[:, None] - 1, pos_bt, 0, cfg)
-        return np.asarray(out[:, 0])
+    def page_table(table):
+        return PG.PageTable(table_sk=jnp.asarray(table.reshape(3, 8), jnp.int32), shared_s=zero_s, held_s=zero_s,
+                            prompt_s=zero_s, prompt_len_s=jnp.asarray([3, 10, 16], jnp.int32), order_s=zero_s,
+                            group_pages_gk=jnp.zeros((1, 4), jnp.int32), refs_g=jnp.zeros((1,), jnp.int32),
+                            stack_p=jnp.arange(pages, dtype=jnp.int32), free=zero, admitted=zero, peak=zero,
+                            preemptions=zero)
 
+    table = rng.permutation(pages)
+    step = (jnp.asarray([5, 17, 99], jnp.int32), jnp.asarray([5, 17, 30], jnp.int32), jnp.ones((3,), bool))
+    rope = M.rope_table(cfg, width)
+    gather = jax.jit(lambda kv, pt: PG.gather_forward(cfg, layer_params, *step, kv, pt, rope, prompt_len=prompt_len,
+                                                      width=width, page_size=page, num_pages=pages,
+                                                      batch_invariant=False))
     with pltpu.force_tpu_interpret_mode():
-        got = np.asarray(PG.tpu_paged_attention(q_bnh, k_pages, v_pages, lengths_b, table_bk, cfg))
-    assert np.abs(got - reference(lengths_b)).max() < 1e-2
-    assert np.abs(got - reference(lengths_b - 1)).max() > 0.1
+        got_logits, got_kv = jax.jit(lambda kv, pt: PG.kernel_forward(
+            cfg, layer_params, *step, kv, pt, rope, page_size=page, num_pages=pages))(kv, page_table(table))
+    want_logits, want_kv = gather(kv, page_table(table))
+    shifted_logits, _ = gather(kv, page_table(np.roll(table, 1)))
+    got_logits, want_logits = np.asarray(got_logits), np.asarray(want_logits)
+    assert np.abs(got_logits - want_logits).max() < 5e-2 < 1 < np.abs(got_logits - np.asarray(shifted_logits)).max()
+    for name in "kv":
+        np.testing.assert_allclose(np.asarray(got_kv[0][name]), np.asarray(want_kv[0][name]), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(got_kv[1][name]), np.asarray(want_kv[1][name]), atol=5e-2, rtol=0)
 
 
 def test_paged_controls_and_layout():

@@ -318,7 +318,7 @@ def default_positions(attn_mask_bt):
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
                   cache: Cache | None = None, *, remat: bool = False, unroll: bool = False,
-                  rope_cos_sin=None):
+                  rope_cos_sin=None, kv_attend=None):
     """Final-normed hidden states [B, T, D] in the compute dtype and the updated cache (None
     without one).
 
@@ -339,6 +339,9 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     `remat=True` recomputes each layer's activations in the backward pass. `rope_cos_sin`, a
     `rope_table(cfg, P)` with P above every position in `positions_bt`, replaces computing cos and
     sin (gathered instead; bitwise the same values).
+    `kv_attend(layer_cache, window, positions_bt, q, k, v) -> (out_btnh f32, new layer_cache)`, with
+    `cache` a tuple of per-layer caches, replaces the cache write and `cached_attention`: the paged
+    layout (`rljax.sampling.paged`) stores keys in pages and attends with a paged kernel.
     """
     b, t = tokens_bt.shape
     dt = cfg.compute_jnp_dtype
@@ -373,6 +376,14 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
             layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
         h, _ = jax.lax.scan(body, h, (layers, jnp.asarray(windows, jnp.int32)), unroll=bool(unroll))
         return rms_norm(h, params["final_norm"], cfg).astype(dt), None
+
+    if kv_attend is not None:  # the caller stores and reads keys (see the docstring)
+        new_layers = []
+        for lp, lc, window in zip(unstack_layers(params)["layers"], cache, windows):
+            attend = lambda q, k, v, lc=lc, window=window: kv_attend(lc, window, positions_bt, q, k, v)
+            h, lc_new = _block(h, lp, attend, rope_btih, cfg)
+            new_layers.append(lc_new)
+        return rms_norm(h, params["final_norm"], cfg).astype(dt), tuple(new_layers)
 
     # Cached path: write this chunk's keys at slots [index, index + T), attend over all slots.
     # `index` is a scalar (every row writes at the same slot) or [B] (each row at its own slot, as
@@ -427,13 +438,13 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):
 
 def forward(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
             cache: Cache | None = None, *, remat: bool = False, unroll: bool = False,
-            rope_cos_sin=None):
+            rope_cos_sin=None, kv_attend=None):
     """Pure forward pass: (params, tokens, positions, mask, cache) -> (logits_btv f32, new cache).
 
     `attn_mask_bt` marks real tokens (False for padding); `positions_bt` defaults to
-    cumsum(mask) - 1. With a cache the tokens are appended at `cache['index']`. `rope_cos_sin`:
-    see `hidden_states`.
+    cumsum(mask) - 1. With a cache the tokens are appended at `cache['index']`. `rope_cos_sin`,
+    `kv_attend`: see `hidden_states`.
     """
     h, new_cache = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, cache, remat=remat,
-                                 unroll=unroll, rope_cos_sin=rope_cos_sin)
+                                 unroll=unroll, rope_cos_sin=rope_cos_sin, kv_attend=kv_attend)
     return logits_from_hidden(cfg, params, h), new_cache

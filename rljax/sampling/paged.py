@@ -27,18 +27,23 @@ with PagedAttention"), and a row holds only the pages its tokens fill:
     release     a row that ends hands back its own pages, and its prompt's shared pages when it
                 was the prompt's last running row
 
-Attention, by backend. On CPU and GPU the step gathers each slot's pages into the contiguous
-slot layout's arrangement (prompt right-aligned in [0, P), generated tokens from P, positions -1
-elsewhere) and runs the model's own cached forward (`step_forward`, `cached_attention`): the
-arithmetic is the slot layout's, so with `batch_invariant` the paged tokens and log-probs equal
-the slot layout's and the static scheduler's bitwise. The gathered view is transient (one
-[S, K, H, P + N] buffer per layer for the step); the pages are what persists. On TPU, JAX ships
-a Pallas kernel (`jax.experimental.pallas.ops.tpu.paged_attention`) that reads the pages in
-place; `tpu_paged_attention` wraps it for one decode query per row. It is not yet called by the
-decode step (the model's layer loop has no paged-attention hook), so every backend runs the
-gather today. The kernel runs on CPU under `pltpu.force_tpu_interpret_mode()`, where its matmuls
-round like the TPU's default precision (about 1e-3 from an f32 reference); tests/test_paged.py
-checks it against the gather at that tolerance.
+Attention, by backend (`use_pallas_kernel`).
+    CPU, GPU  (`gather_forward`) the step gathers each slot's pages into the contiguous slot
+              layout's arrangement (prompt right-aligned in [0, P), generated tokens from P,
+              positions -1 elsewhere) and runs the model's own cached forward (`step_forward`,
+              `cached_attention`). The arithmetic is the slot layout's, so with `batch_invariant`
+              the paged tokens and log-probs equal the slot layout's and the static scheduler's
+              bitwise. The gathered view is transient but gathered for every layer before the
+              step, so the step briefly holds what a slot cache holds; the pages are what
+              persists. Also on TPU for sliding-window models and
+              in batch-invariant mode.
+    TPU       (`kernel_forward`) each layer writes the fed token into its page and attends over
+              the pages in place with JAX's Pallas kernel
+              (`jax.experimental.pallas.ops.tpu.paged_attention`, via `tpu_paged_attention` and
+              the model's `kv_attend` hook). The kernel runs on CPU under
+              `pltpu.force_tpu_interpret_mode()`, where its matmuls round like the TPU's default
+              precision; tests/test_paged.py checks the step against the gather step there. It
+              has not run on a TPU here.
 
 Memory. Persistent KV: pages x page_size tokens per layer plus the prompt pool (every prompt
 prefilled up front, G x P, as the slot layout's default). The counters report the peak pages in
@@ -53,7 +58,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, rope_table, unstack_layers
+from rljax.models import ModelConfig, forward, rope_table, unstack_layers
 from rljax.sampling.continuous import Layout, PromptPool, empty_pool, prefill_into_pool
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, row_keys,
@@ -154,7 +159,7 @@ def _copy_prompt_pages(kv, pool: PromptPool, src_gp, entry_a, target_ak, page_si
 def _admit(state: PagedState, keys_r, max_new, scalars, src_gp, shared_pages_g, *, spec: StaticControls,
            layout: Layout) -> PagedState:
     """Moves up to `layout.refill` pending rows (lowest index first) into free slots when their
-    prompt's pages plus one are free, and draws their token 0 (see the module docstring)."""
+    prompt's pages plus one per row are free, and draws their token 0 (see the module docstring)."""
     s_count, a_count, n, page = layout.slots, layout.refill, layout.num_samples, layout.page_size
     pt, pool = state.pages, state.pool
     groups, k_prompt = pt.group_pages_gk.shape
@@ -171,7 +176,8 @@ def _admit(state: PagedState, keys_r, max_new, scalars, src_gp, shared_pages_g, 
     first_a = jnp.concatenate([jnp.ones((1,), bool), prompt_a[1:] != prompt_a[:-1]])
     new_group_a = first_a & (pt.refs_g[prompt_a] == 0)
     need_a = jnp.where(valid_a, jnp.where(new_group_a, full_a, 0) + part_a, 0)
-    ok_a = valid_a & (jnp.cumsum(need_a) + 1 <= pt.free)  # in order: a refusal refuses the rest
+    # Each row also keeps one page in reserve for its first tokens; in order: a refusal refuses the rest.
+    ok_a = valid_a & (jnp.cumsum(need_a + 1) <= pt.free)
     need_a = jnp.where(ok_a, need_a, 0)
 
     k = jnp.arange(k_prompt)
@@ -259,29 +265,72 @@ def gather_view(kv, pt: PageTable, next_pos_s, prompt_len: int, width: int, page
     return {"layers": layers, "pos": jnp.where(valid_sw, logical_sw, -1), "index": index_s}
 
 
-def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_new, scalars, rope_cos_sin,
-                 shared_pages_g, *, spec: StaticControls, layout: Layout) -> PagedState:
-    """One forward step over every slot through the gathered view; the fed token's keys and
-    values go into its page, and rows that end give their pages back."""
-    page = layout.page_size
-    state = _grow(state, shared_pages_g, page)
-    pt, live_s = state.pages, state.live_s
-    rows_total = state.length_r.shape[0]
-    prompt_len = state.pool.pos_gp.shape[1]
-    view = gather_view(state.kv, pt, state.next_pos_s, prompt_len, prompt_len + layout.new_bucket, page)
-    logits_sv, new = step_forward(cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, view,
-                                  rope_cos_sin, batch_invariant=spec.batch_invariant)
+def use_pallas_kernel(cfg: ModelConfig, spec: StaticControls) -> bool:
+    """Whether the decode step attends with the Pallas kernel: on TPU, for models without sliding
+    windows (the kernel has none), outside batch-invariant mode (which maps rows one at a time)."""
+    return jax.default_backend() == "tpu" and not any(cfg.layer_windows()) and not spec.batch_invariant
+
+
+def _fed_slot(pt: PageTable, positions_s, live_s, page_size: int, num_pages: int):
+    """(page, offset) of each fed token; idle slots get page `num_pages`, which writes drop."""
+    page_s = jnp.take_along_axis(pt.table_sk, (positions_s // page_size)[:, None], axis=1)[:, 0]
+    return jnp.where(live_s, page_s, num_pages), positions_s % page_size
+
+
+def gather_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s, kv, pt: PageTable, rope_cos_sin,
+                   *, prompt_len: int, width: int, page_size: int, num_pages: int, batch_invariant: bool):
+    """The CPU/GPU decode step: logits [S, V] through the model's cached forward on the gathered
+    view (`gather_view`), and the pages with the fed tokens' keys and values written."""
+    view = gather_view(kv, pt, positions_s, prompt_len, width, page_size)
+    logits_sv, new = step_forward(cfg, layer_params, tokens_s, positions_s, live_s, view, rope_cos_sin,
+                                  batch_invariant=batch_invariant)
     at_s = view["index"]
-    page_s = jnp.where(live_s, jnp.take_along_axis(pt.table_sk, (state.next_pos_s // page)[:, None], 1)[:, 0],
-                       layout.num_pages)
-    offset_s = state.next_pos_s % page
+    page_s, offset_s = _fed_slot(pt, positions_s, live_s, page_size, num_pages)
 
     def write(pages, dense, axis):  # the fed token's [S, K, H] from the view into its page
         fed = jnp.take_along_axis(dense, jnp.expand_dims(at_s, (1, 2, 3)), axis=axis)
         return pages.at[:, page_s, offset_s, :].set(jnp.squeeze(fed, axis).transpose(1, 0, 2), mode="drop")
 
-    kv = tuple({"k": write(lkv["k"], lnew["k"], 3), "v": write(lkv["v"], lnew["v"], 2)}
-               for lkv, lnew in zip(state.kv, new["layers"]))
+    return logits_sv, tuple({"k": write(lkv["k"], lnew["k"], 3), "v": write(lkv["v"], lnew["v"], 2)}
+                            for lkv, lnew in zip(kv, new["layers"]))
+
+
+def kernel_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s, kv, pt: PageTable, rope_cos_sin,
+                   *, page_size: int, num_pages: int):
+    """The TPU decode step: each layer writes the fed token's keys and values into its page and
+    attends over the pages in place with `tpu_paged_attention` (keys [0, position] of each row)."""
+    page_s, offset_s = _fed_slot(pt, positions_s, live_s, page_size, num_pages)
+    lengths_s = jnp.where(live_s, positions_s + 1, 0)
+
+    def attend(lkv, window, positions_bt, q, k, v):
+        put = lambda pages, x: pages.at[:, page_s, offset_s, :].set(
+            x[:, 0].transpose(1, 0, 2).astype(pages.dtype), mode="drop")
+        new = {"k": put(lkv["k"], k), "v": put(lkv["v"], v)}
+        out_snh = tpu_paged_attention(q[:, 0], new["k"].astype(q.dtype), new["v"].astype(q.dtype), lengths_s,
+                                      pt.table_sk, cfg)
+        return out_snh[:, None].astype(jnp.float32), new
+
+    logits_s1v, kv = forward(cfg, layer_params, tokens_s[:, None], positions_s[:, None], live_s[:, None], kv,
+                             rope_cos_sin=rope_cos_sin, kv_attend=attend)
+    return logits_s1v[:, 0], kv
+
+
+def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_new, scalars, rope_cos_sin,
+                 shared_pages_g, *, spec: StaticControls, layout: Layout) -> PagedState:
+    """One forward step over every slot; the fed tokens' keys and values go into their pages, and
+    rows that end give their pages back."""
+    page = layout.page_size
+    state = _grow(state, shared_pages_g, page)
+    pt, live_s = state.pages, state.live_s
+    rows_total = state.length_r.shape[0]
+    args = (cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.kv, pt, rope_cos_sin)
+    if use_pallas_kernel(cfg, spec):
+        logits_sv, kv = kernel_forward(*args, page_size=page, num_pages=layout.num_pages)
+    else:
+        prompt_len = state.pool.pos_gp.shape[1]
+        logits_sv, kv = gather_forward(*args, prompt_len=prompt_len, width=prompt_len + layout.new_bucket,
+                                       page_size=page, num_pages=layout.num_pages,
+                                       batch_invariant=spec.batch_invariant)
 
     row_safe = jnp.clip(state.row_s, 0, rows_total - 1)
     tok_s, logp_s, slp_s = draw(logits_sv, keys_r[row_safe], state.row_s, state.step_s, scalars, spec)
