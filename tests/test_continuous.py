@@ -222,3 +222,21 @@ def test_rollout_with_continuous_scheduler(tiny, invariant_static):
     steps = float(metrics["rollout/decode_steps"])
     assert steps >= live / 4
     np.testing.assert_allclose(float(metrics["rollout/slot_occupancy"]), live / (steps * 4), rtol=1e-6)
+
+
+def test_drain_moves_the_tail_into_fewer_slots(tiny, invariant_static, monkeypatch):
+    """Once nothing is pending and at most slots / 4 rows run, the running slots move into a cache
+    of slots / 4 (here 8 -> 2, with the drain's 16-slot minimum lowered to 8) and finish there:
+    the result is still bitwise static batching's, every running row-step is decoded once, and
+    fewer row-steps are computed than 8 slots x decode steps.
+    Catches: a drain that drops or reorders a running slot (its row would stop or take another
+    row's cache), or one that never engages."""
+    cfg, params = tiny
+    monkeypatch.setattr(C, "DRAIN_MIN_SLOTS", 8)
+    got = generate(cfg, params, *PROMPTS, key=jax.random.key(5), controls=CONTROLS.replace(
+        batch_invariant=True, scheduler="continuous", slots=8))
+    want = invariant_static[False]
+    _assert_same(got, want)
+    live = int((np.asarray(want.lengths) - 1).sum())
+    assert int(got.live_row_steps) == live
+    assert live <= int(got.slot_steps) < 8 * int(got.decode_steps)

@@ -35,6 +35,12 @@ tokens, log-probs, masks and finish reasons equal the static scheduler's for any
 the batch size the per-row logits can differ in the last bit; `slots = rows` then reproduces
 static batching's shapes.
 
+Drain. Once no row is pending, slots empty one by one while the longest rows finish, and every
+step still computes all S slots. So from 16 slots up, when at most S / 4 slots are running and
+nothing is pending, the running slots move (one gather) into a cache of S / 4 slots and a second
+loop decodes them there: the tail costs a quarter per step. Row arithmetic is per row, so with
+`batch_invariant` the result is unchanged bitwise.
+
 Memory. The KV cache holds S x (P + N) tokens (P, N the prompt and new-token buckets) plus the
 pool's G x P; `max_total_tokens` sets S = max_total_tokens // (P + N), rather than holding
 rows x (P + N) as static batching does.
@@ -93,6 +99,13 @@ class SlotState:
     live_row_steps: jax.Array
 
 
+# The drain (see the module docstring): once no row is pending and at most slots / 4 are running,
+# the running slots move into a cache of slots / 4 and decode there. Only from 16 slots up: below,
+# a second compiled loop costs more than the tail it shortens.
+DRAIN_FRACTION = 4
+DRAIN_MIN_SLOTS = 16
+
+
 @flax.struct.dataclass
 class Layout:
     """The static sizes of one continuous run (a jit static argument)."""
@@ -105,6 +118,7 @@ class Layout:
     kv_layout: str = flax.struct.field(pytree_node=False, default="slots")  # or "paged" (rljax.sampling.paged)
     page_size: int = flax.struct.field(pytree_node=False, default=16)
     num_pages: int = flax.struct.field(pytree_node=False, default=0)  # paged: pages in each layer's pool
+    drain_slots: int = flax.struct.field(pytree_node=False, default=0)  # the tail's slots (0: no drain)
 
 
 def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> Layout:
@@ -137,9 +151,10 @@ def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> 
     slots = min(slots or 64, rows)
     refill = min(controls.refill_batch or max(1, slots // 4), slots)
     prefill_batch = controls.prefill_batch if 0 < controls.prefill_batch < num_prompts else 0
+    drain = slots // DRAIN_FRACTION if slots >= DRAIN_MIN_SLOTS and controls.kv_layout == "slots" else 0
     return Layout(slots=slots, refill=refill, prefill_batch=prefill_batch, num_samples=controls.num_samples,
                   new_bucket=new_bucket, kv_layout=controls.kv_layout, page_size=controls.page_size,
-                  num_pages=num_pages)
+                  num_pages=num_pages, drain_slots=drain)
 
 
 def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int) -> PromptPool:
@@ -319,11 +334,34 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
         st = _admit(st, keys_r, num_rows, max_new, scalars, spec=spec, layout=layout)
         return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec)
 
+    drain = layout.drain_slots
+    if drain:
+        cond = lambda st: (st.next_row < num_rows) | (jnp.sum(st.live_s, dtype=jnp.int32) > drain)
     state = jax.lax.while_loop(cond, body, state)
+    slot_steps = state.decode_steps * s_count
+    if drain:
+        main_steps = state.decode_steps
+        state = jax.lax.while_loop(
+            lambda st: jnp.any(st.live_s),
+            lambda st: _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec),
+            _keep_slots(state, drain))
+        slot_steps += (state.decode_steps - main_steps) * drain
     mask = jnp.arange(new_bucket)[None, :] < state.length_r[:, None]
     return SampleResult(tokens=state.tokens_rn, logprobs=state.logp_rn, sampling_logprobs=state.sampling_logp_rn,
                         mask=mask, lengths=state.length_r, finish_reason=state.finish_r,
-                        decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=s_count)
+                        decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=s_count,
+                        slot_steps=slot_steps)
+
+
+def _keep_slots(state: SlotState, count: int) -> SlotState:
+    """The state with only `count` slots: the running ones first (there are at most `count`)."""
+    keep = jnp.argsort(~state.live_s, stable=True)[:count]
+    take = lambda x: jnp.take(x, keep, axis=0)
+    cache = {"layers": jax.tree.map(take, state.cache["layers"]), "pos": take(state.cache["pos"]),
+             "index": take(state.cache["index"])}
+    return state.replace(cache=cache, row_s=take(state.row_s), step_s=take(state.step_s), live_s=take(state.live_s),
+                         last_token_s=take(state.last_token_s), next_pos_s=take(state.next_pos_s),
+                         window_sl=take(state.window_sl))
 
 
 def trim(result: SampleResult, rows: int, width: int) -> SampleResult:

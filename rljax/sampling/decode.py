@@ -83,11 +83,13 @@ class SampleResult:
     decode_steps      int32  [] decode forward steps the loop ran (token 0 comes from the prefill)
     live_row_steps    int32  [] (row, step) pairs of those steps that decoded a running row
     slots             int    rows each decode step computes (static: B * n), not a pytree leaf
+    slot_steps        int32  [] row-steps computed: decode_steps * slots, less after a drain
+                             (`rljax.sampling.continuous`)
     preemptions       int32  [] paged layout: rows preempted when the page pool ran out (else 0)
     peak_pages        int32  [] paged layout: the most pages in use at once (else 0)
     free_pages        int32  [] paged layout: free pages when the loop ended (all of them: no leak)
 
-    Occupancy = live_row_steps / (decode_steps * slots); the rest of the decode compute went to
+    Occupancy = live_row_steps / slot_steps; the rest of the decode compute went to
     rows that had ended (or, continuous, to empty slots).
     """
 
@@ -100,6 +102,7 @@ class SampleResult:
     decode_steps: jax.Array
     live_row_steps: jax.Array
     slots: int = flax.struct.field(pytree_node=False, default=0)
+    slot_steps: jax.Array | int = 0
     preemptions: jax.Array | int = 0
     peak_pages: jax.Array | int = 0
     free_pages: jax.Array | int = 0
@@ -297,7 +300,8 @@ def to_result(state: DecodeState, *, width: int) -> SampleResult:
     return SampleResult(tokens=state.tokens_bn[:, :width], logprobs=state.logp_bn[:, :width],
                         sampling_logprobs=state.sampling_logp_bn[:, :width], mask=mask,
                         lengths=state.length_b, finish_reason=state.finish_b, decode_steps=state.step - 1,
-                        live_row_steps=state.live_row_steps, slots=state.length_b.shape[0])
+                        live_row_steps=state.live_row_steps, slots=state.length_b.shape[0],
+                        slot_steps=(state.step - 1) * state.length_b.shape[0])
 
 
 def decode_phases(cfg: ModelConfig, params, state: DecodeState, *, spec: StaticControls, new_bucket: int,

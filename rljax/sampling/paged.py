@@ -412,7 +412,7 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     return SampleResult(tokens=state.tokens_rn, logprobs=state.logp_rn, sampling_logprobs=state.sampling_logp_rn,
                         mask=mask, lengths=state.length_r, finish_reason=state.finish_r,
                         decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=s_count,
-                        preemptions=pt.preemptions, peak_pages=pt.peak, free_pages=pt.free)
+                        slot_steps=state.decode_steps * s_count, preemptions=pt.preemptions, peak_pages=pt.peak, free_pages=pt.free)
 
 
 def tpu_paged_attention(q_bnh, k_pages, v_pages, lengths_b, table_bk, cfg: ModelConfig, *,

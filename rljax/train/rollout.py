@@ -101,7 +101,7 @@ def rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, cont
         # The sampler's decode steps and the share of their row-steps that decoded a running row
         # (the rest went to rows that had ended, or, continuous, to empty slots).
         "rollout/decode_steps": out.decode_steps.astype(jnp.float32),
-        "rollout/slot_occupancy": out.live_row_steps / jnp.maximum(out.decode_steps * out.slots, 1),
+        "rollout/slot_occupancy": out.live_row_steps / jnp.maximum(out.slot_steps, 1),
         "rollout/verifier_failed": jnp.sum(rewards.failed_b.astype(jnp.int32)),
         "rollout/tokens": jnp.sum(out.lengths),
     })
