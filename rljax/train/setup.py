@@ -15,6 +15,7 @@ from rljax.data.sources import load_task
 from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat
 from rljax.errors import ConfigError
+from rljax.lora import LoraConfig, adapter_shapes, load_peft
 from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
 from rljax.sharding import Layout
 from rljax.tokenizers import CharTokenizer, Tokenizer
@@ -59,6 +60,18 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
         return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
                        shardings=shardings)
     return cfg, init_params(cfg, key, shardings=shardings)
+
+
+def build_lora(section: LoraConfig, cfg: ModelConfig) -> tuple[LoraConfig | None, Any]:
+    """(LoRA config, starting adapters): (None, None) without LoRA; fresh adapters are made with
+    the train state (None here); `lora.adapter` loads a PEFT adapter to continue, whose
+    adapter_config.json sets rank, alpha, dropout, rsLoRA and targets."""
+    if not section.enabled:
+        return None, None
+    if section.adapter is None:
+        adapter_shapes(cfg, section)  # a target this model lacks is a ConfigError before anything is built
+        return section, None
+    return load_peft(section.adapter, cfg, defaults=section)
 
 
 def build_layouts(section: MeshSection):
