@@ -94,7 +94,8 @@ def test_cached_decode_and_tied_merge_keep_the_function():
     adapters = _random_adapters(TIED, ALL)
     attached = attach(params, adapters, ALL)
     full = _logits(TIED, attached)
-    np.testing.assert_allclose(np.asarray(_decode(TIED, attached, TOKENS)), np.asarray(full), atol=2e-5, rtol=0)
+    decoded = _decode(TIED, attached, TOKENS[:, :5])  # causal: the first 5 columns of the full forward
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(full)[:, :5], atol=2e-5, rtol=0)
     sampler = _logits(TIED, merge(params, adapters, ALL))
     cfg_m, exported = merged_model(TIED, params, adapters, ALL)
     assert not cfg_m.tie_embeddings and TIED.tie_embeddings

@@ -18,6 +18,9 @@ from hf_factory import make_checkpoint  # noqa: E402
 from rljax.lora import attach, load_peft, merged_model, save_peft  # noqa: E402
 from rljax.models import forward, load_hf, save_hf  # noqa: E402
 
+# peft's notes on tied embeddings and saved embedding layers, and transformers' deprecation of a
+# name peft calls: expected here, not problems.
+pytestmark = pytest.mark.filterwarnings("ignore:.*(ensure_weight_tying|save_embedding_layers|is_gradient_checkpointing)")
 ATOL = 1e-5
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 11))
 # qwen2 (tied): every projection plus the input embedding; llama (untied): a subset plus the LM head, rsLoRA.
