@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rljax.lora.config import LoraConfig, Target, resolve_targets
+from rljax.lora.config import TARGETS, LoraConfig, Target, resolve_targets
 from rljax.lora.weight import LoraWeight
 from rljax.models.config import ModelConfig
 from rljax.models.transformer import Params, init_params
@@ -62,8 +62,8 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[tuple[
 
 def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> Adapters:
     """Fresh f32 adapters for every target of `lora` on this model (PEFT's init: A B = 0)."""
-    if not lora.enabled:
-        raise ValueError("init_adapters needs lora.rank > 0")
+    if lora.rank < 1:
+        raise ValueError(f"init_adapters needs lora.rank >= 1, not {lora.rank}")
     adapters: Adapters = {}
     targets = {t.name: t for t in resolve_targets(lora, cfg)}
     for i, (name, (a_shape, b_shape)) in enumerate(adapter_shapes(cfg, lora).items()):
@@ -83,8 +83,6 @@ def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> Adapter
 
 def targets_of(adapters: Adapters) -> tuple[Target, ...]:
     """The targets an adapters tree holds, in forward order."""
-    from rljax.lora.config import TARGETS
-
     def has(t: Target) -> bool:
         try:
             _get(adapters, t.path)
@@ -112,17 +110,17 @@ def attach(params: Params, adapters: Adapters, lora: LoraConfig, *, dropout_key:
     return out
 
 
-def merge(params: Params, adapters: Adapters, lora: LoraConfig, *, tied_embedding: bool = True) -> Params:
+def merge(params: Params, adapters: Adapters, lora: LoraConfig, *, keep_embedding: bool = True) -> Params:
     """Params with W + s A B in place of each adapted weight, in W's dtype: the same function as
     `attach` up to one rounding per weight, with no extra matmuls (what the sampler decodes with).
 
-    The input embedding of a tied model (`tied_embedding=True`) stays attached: merged, it would
+    An adapted input embedding stays attached (`keep_embedding`): in a tied model, merged, it would
     also move the tied LM head, which PEFT leaves at the base weight; its lookup branch costs one
     [r, D] matmul per token. `merged_model` unties such a model for export instead."""
     attached = attach(params, adapters, lora)
     out = attached
     for t in targets_of(adapters):
-        if t.kind == "embedding" and tied_embedding:
+        if t.kind == "embedding" and keep_embedding:
             continue
         out = _set(out, t.path, _get(attached, t.path).merged())
     return out
@@ -137,7 +135,7 @@ def merged_model(cfg: ModelConfig, params: Params, adapters: Adapters, lora: Lor
     if cfg.tie_embeddings and "embed" in targets:
         cfg = cfg.replace(tie_embeddings=False)
         params = {**params, "lm_head": params["embed"]}
-    return cfg, merge(params, adapters, lora, tied_embedding=False)
+    return cfg, merge(params, adapters, lora, keep_embedding=False)
 
 
 # ----------------------------------------------------------------------------- the critic

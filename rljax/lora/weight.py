@@ -81,7 +81,3 @@ class LoraWeight:
         """The [V, D] matrix logits are computed against: the merged head; for the input embedding
         of a tied model, the base embedding (the tied head is not adapted, as in PEFT)."""
         return self.w if self.kind == "embedding" else self.merged()
-
-
-def is_lora_weight(x) -> bool:
-    return isinstance(x, LoraWeight)

@@ -148,6 +148,8 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                "held-out prompts over data.max_prompt_tokens (dropped)": evaluator.num_too_long}
     log(setup.run_summary(cfg, model_cfg, params, train_set, held_out)
         + "".join(f" | {what} {n}" for what, n in dropped.items() if n))
+    if lora is not None:
+        log(setup.lora_summary(lora, model_cfg, params))
     writer = MetricsWriter(out, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,

@@ -5,6 +5,7 @@ Each builder is a plain function of the config so notebooks can call them one by
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -131,6 +132,14 @@ def build_reward(section: RewardSection) -> rewards.RewardFn:
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
     return rewards.compose(**terms)
+
+
+def lora_summary(lora: LoraConfig, cfg: ModelConfig, params: Any) -> str:
+    """One line: rank, scale, targets and the adapters' share of the model's parameters."""
+    trained = sum(math.prod(a) + math.prod(b) for a, b in adapter_shapes(cfg, lora).values())
+    total = sum(x.size for x in jax.tree.leaves(params))
+    return (f"LoRA rank {lora.rank} (scale {lora.scale:g}) on {', '.join(adapter_shapes(cfg, lora))}: "
+            f"{trained / 1e6:.3f}M trained params ({100 * trained / total:.1f}% of the model), the base frozen")
 
 
 def run_summary(cfg: TrainConfig, model_cfg: ModelConfig, params: Any, train: tuple, held: tuple) -> str:
