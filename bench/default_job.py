@@ -2,6 +2,11 @@
 wall time, and records held-out accuracy before/after RL. Writes bench/results/default_job.json.
 
     .venv/bin/python bench/default_job.py [--seeds 0 1 2] [--parallel 2] [--collect-only]
+    .venv/bin/python bench/default_job.py --tag lora --skip-control \
+        --override lora.rank=16 lora.alpha=32 optim.learning_rate=3e-3     # the LoRA variant (issue 22)
+
+`--tag NAME` keeps a variant's runs in runs/default_job_NAME and its results in
+bench/results/default_job_NAME.json; `--override` passes key=value settings to every seed's run.
 
 Accuracies are deterministic per seed; wall times are only meaningful for runs made alone
 (`--parallel 1`), because parallel runs share the CPU.
@@ -19,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RUNS = os.path.join(ROOT, "runs", "default_job")
+RUNS = os.path.join(ROOT, "runs", "default_job")  # runs/default_job_TAG with --tag
 
 
 def _accuracies(run_dir):
@@ -43,11 +48,15 @@ def main() -> None:
                     help="wall time of the SFT-only control (default: seed 0's run time)")
     ap.add_argument("--collect-only", action="store_true", help="only summarise existing runs")
     ap.add_argument("--skip-control", action="store_true", help="run the seeds only (the control ran before)")
+    ap.add_argument("--override", nargs="*", default=[], help="key=value settings for every seed's run")
+    ap.add_argument("--tag", help="a variant's name: runs/default_job_TAG, bench/results/default_job_TAG.json")
     args = ap.parse_args()
+    global RUNS
+    RUNS = f"{RUNS}_{args.tag}" if args.tag else RUNS
     os.makedirs(RUNS, exist_ok=True)
     walls = {}
     if not args.collect_only:
-        jobs = [(f"seed{s}", [f"seed={s}"]) for s in args.seeds]
+        jobs = [(f"seed{s}", [f"seed={s}", *args.override]) for s in args.seeds]
         running = []
         while jobs or running:
             while jobs and len(running) < args.parallel:
@@ -67,7 +76,7 @@ def main() -> None:
                                            "warm_start.steps=1000000", f"warm_start.max_seconds={control_s - 20:.0f}"])
         proc.wait()
         walls["control_sft"] = time.perf_counter() - t0
-    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": args.override,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
            "python": platform.python_version(), "runs": {}}
     for name in sorted(os.listdir(RUNS)):
@@ -76,7 +85,7 @@ def main() -> None:
             before, after, evals = _accuracies(path)
             out["runs"][name] = {"before_rl": before, "after": after, "gain_points": round(100 * (after - before), 2),
                                  "wall_s": walls.get(name), "evals": evals}
-    dest = os.path.join(HERE, "results", "default_job.json")
+    dest = os.path.join(HERE, "results", f"default_job_{args.tag}.json" if args.tag else "default_job.json")
     if os.path.exists(dest):  # keep wall times measured by an earlier invocation for runs not re-run now
         earlier = json.load(open(dest)).get("runs", {})
         for name, row in out["runs"].items():

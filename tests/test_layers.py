@@ -19,7 +19,7 @@ CLI = 4
 # Evaluation and the loop are the orchestration layers; evaluation sits below the loop, which
 # runs it (evaluation importing the loop's setup would be a cycle in waiting).
 LAYERS = {
-    "models": 0, "tokenizers": 0, "rewards": 0, "objectives": 0,
+    "models": 0, "lora": 0, "tokenizers": 0, "rewards": 0, "objectives": 0,
     "errors": 0, "config_io": 0, "optim": 0, "storage": 0,
     "sampling": 1, "update": 1, "data": 1, "checkpoint": 1, "sharding": 1,
     "evaluation": 2,

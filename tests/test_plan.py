@@ -113,6 +113,22 @@ def test_state_scales_with_fsdp_and_objective():
     assert ppo.opt_state_bytes >= 2 * (ppo.params_bytes + ppo.value_bytes)  # Adam's two moments of both
 
 
+def test_lora_state_counts_adapters_and_drops_reference_and_moments():
+    """With `lora.rank` set, the plan's state is the frozen base (bf16 here: half the bytes), the
+    adapters, Adam moments of the adapters only (2x their bytes, plus counters) and no reference
+    even with a KL term; the sampler's merged copy is counted apart. Shapes only. Catches: a plan
+    that still counts full-model moments or a reference copy under LoRA, or omits the adapters."""
+    full = state_memory(tiny("algorithm.kl_coef=0.05", "mesh.devices=1"))
+    lora = state_memory(tiny("algorithm.kl_coef=0.05", "mesh.devices=1", "lora.rank=4",
+                             "model.param_dtype=bfloat16"))
+    in_out = (64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + (64 + 128) + (64 + 128) + (128 + 64)  # q k v o gate up down
+    adapters = 1 * 4 * 4 * in_out  # 1 layer x rank 4 x f32 bytes x (A [in, r] + B [r, out])
+    assert lora.adapter_bytes == adapters and lora.reference_bytes == 0 < full.reference_bytes
+    assert 2 * adapters <= lora.opt_state_bytes < 2 * adapters + 64
+    assert lora.params_bytes == full.params_bytes // 2 and lora.sampler_merged
+    assert lora.sampler_params_bytes == lora.params_bytes
+
+
 def test_vocabulary_chunking_shows_in_update_temporaries():
     """At a 151,936-id vocabulary (tiny body, 2 rows x 31 scored steps per device), scoring in
     chunks of 2 time steps needs less update memory than one pass over the whole sequence, by at

@@ -1,4 +1,5 @@
-"""From an rljax checkpoint directory to (ModelConfig, params), and on to HF safetensors.
+"""From an rljax checkpoint directory to (ModelConfig, params), and on to HF safetensors or, for a
+LoRA run, a PEFT adapter directory.
 
 Either end may be an object-store URI: a run trained on a pod to `gs://bucket/run` exports from
 there, and an export to a URI is written to a local scratch directory first and then uploaded
@@ -12,18 +13,21 @@ import tempfile
 
 import jax
 
-from rljax.checkpoint.manager import Checkpointer
+from rljax.checkpoint.manager import Checkpointer, lora_config_from_dict
 from rljax.checkpoint.tree_check import model_config_from_dict
 from rljax.errors import CheckpointError
+from rljax.lora import LoraConfig, init_adapters, merged_model, save_peft
 from rljax.models import ModelConfig, init_params, save_hf
 from rljax.storage import as_path, is_remote, upload_tree
 
 
-def load_params(directory: str | os.PathLike, step: int | str | None = None) -> tuple[ModelConfig, dict]:
-    """The model config and policy params of checkpoint `step` ("latest", "best" or a number).
+def load_lora(directory: str | os.PathLike, step: int | str | None = None
+              ) -> tuple[ModelConfig, dict, LoraConfig | None, dict | None]:
+    """(model config, params, LoRA config, adapters) of checkpoint `step` ("latest", "best" or a
+    number); the last two are None for a run without LoRA, whose params are then the policy.
 
-    The params template comes from the saved `ModelConfig` (``jax.eval_shape(init_params, ...)``),
-    so no model code needs to be told the architecture.
+    The templates come from the saved configs (``jax.eval_shape(init_params, ...)`` and
+    ``init_adapters``), so no model code needs to be told the architecture.
     """
     directory = os.fspath(directory)
     if not as_path(directory).is_dir():
@@ -36,22 +40,66 @@ def load_params(directory: str | os.PathLike, step: int | str | None = None) -> 
                                   "save with model_config= to load it by directory")
         cfg = model_config_from_dict(meta["model"], f"checkpoint {directory}/{meta['step']}")
         template = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-        restored = ckpt.restore(meta["step"], params=template, model_config=cfg)
+        lora = lora_config_from_dict(meta.get("lora")) if "adapters" in meta["items"] else None
+        adapters = None if lora is None else jax.eval_shape(lambda: init_adapters(cfg, lora, jax.random.key(0)))
+        restored = ckpt.restore(meta["step"], params=template, model_config=cfg, adapters=adapters)
     finally:
         ckpt.close()
-    return cfg, restored.params
+    return cfg, restored.params, lora, restored.adapters
+
+
+def load_params(directory: str | os.PathLike, step: int | str | None = None) -> tuple[ModelConfig, dict]:
+    """The model config and policy params of checkpoint `step` ("latest", "best" or a number).
+
+    A LoRA run's policy is its base with the adapters merged (`rljax.lora.merged_model`: a tied
+    model with an adapted embedding comes back untied), so evaluation and export need no LoRA code.
+    """
+    cfg, params, lora, adapters = load_lora(directory, step)
+    if lora is None:
+        return cfg, params
+    return merged_model(cfg, params, adapters, lora)
+
+
+def _write(out_dir: str | os.PathLike, write) -> None:
+    """`write(local_dir)`, then an upload when `out_dir` is a URI (the writers need local files)."""
+    if not is_remote(out_dir):
+        write(os.fspath(out_dir))
+        return
+    with tempfile.TemporaryDirectory(prefix="rljax-export-") as scratch:
+        write(os.path.join(scratch, "model"))
+        upload_tree(os.path.join(scratch, "model"), out_dir)
 
 
 def export_hf(directory: str | os.PathLike, out_dir: str | os.PathLike, step: int | str | None = None) -> ModelConfig:
-    """Write checkpoint `step` as a Hugging Face model (config.json + safetensors) into `out_dir`.
+    """Write checkpoint `step` as a Hugging Face model (config.json + safetensors) into `out_dir`;
+    a LoRA run's adapters are merged into it.
 
     Tokenizer files are not part of an rljax checkpoint; copy them next to the weights.
     """
     cfg, params = load_params(directory, step)
-    if not is_remote(out_dir):
-        save_hf(cfg, params, os.fspath(out_dir))
-        return cfg
-    with tempfile.TemporaryDirectory(prefix="rljax-export-") as scratch:
-        save_hf(cfg, params, os.path.join(scratch, "model"))
-        upload_tree(os.path.join(scratch, "model"), out_dir)
+    _write(out_dir, lambda path: save_hf(cfg, params, path))
     return cfg
+
+
+BASE_SUBDIR = "base"
+
+
+def export_peft(directory: str | os.PathLike, out_dir: str | os.PathLike, step: int | str | None = None) -> LoraConfig:
+    """Write a LoRA run's checkpoint `step` as a PEFT adapter directory (`adapter_config.json` +
+    `adapter_model.safetensors`) in `out_dir`, and the base model it adapts as a HF directory in
+    `out_dir/base` (after a warm start the base is no published checkpoint):
+
+        base = AutoModelForCausalLM.from_pretrained("out_dir/base")
+        model = PeftModel.from_pretrained(base, "out_dir")
+    """
+    cfg, params, lora, adapters = load_lora(directory, step)
+    if lora is None:
+        raise CheckpointError(f"{directory} holds no LoRA adapters (the run trained every weight); "
+                              "export it without --adapter")
+
+    def write(path):
+        save_peft(cfg, adapters, lora, path, base_model=BASE_SUBDIR)
+        save_hf(cfg, params, os.path.join(path, BASE_SUBDIR))
+
+    _write(out_dir, write)
+    return lora

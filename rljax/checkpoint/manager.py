@@ -5,7 +5,9 @@ One checkpoint is one step directory with these orbax items:
     params     StandardSave   the policy parameters (what `load_params` reads)
     opt_state  StandardSave   optimiser state (optional)
     extra      StandardSave   any other pytree: critic, reference policy... (optional)
-    meta       JsonSave       {"format", "step", "rng": {"impl", "data"}, "model": ModelConfig fields, "items"}
+    adapters   StandardSave   LoRA adapters trained on the frozen `params` (optional; `rljax.lora`)
+    meta       JsonSave       {"format", "step", "rng": {"impl", "data"}, "model": ModelConfig fields,
+                              "lora": LoraConfig fields (with adapters), "items"}
     data       JsonSave       the data iterator's `get_state()`
     config     JsonSave       the run's config as a JSON dict
 
@@ -35,11 +37,12 @@ from orbax.checkpoint import checkpoint_managers
 
 from rljax.checkpoint.tree_check import check_fits, check_model_config, model_config_from_dict
 from rljax.errors import CheckpointError
+from rljax.lora import LoraConfig
 from rljax.models import ModelConfig
 from rljax.storage import absolute
 
 FORMAT = 1
-_TREES = ("params", "opt_state", "extra")
+_TREES = ("params", "opt_state", "extra", "adapters")
 _JSONS = ("data", "config")
 
 
@@ -56,6 +59,8 @@ class Restored:
     config: dict | None = None
     model_config: ModelConfig | None = None
     metrics: dict | None = None
+    adapters: Any = None
+    lora: LoraConfig | None = None
 
 
 def _key_to_json(key: jax.Array | None) -> dict | None:
@@ -72,6 +77,13 @@ def _key_from_json(blob: dict | None) -> jax.Array | None:
     if blob["impl"] is None:  # a raw uint32 key saved as it was
         return jax.numpy.asarray(np.asarray(blob["data"], dtype=blob["dtype"]))
     return jax.random.wrap_key_data(np.asarray(blob["data"], np.uint32), impl=blob["impl"])
+
+
+def lora_config_from_dict(fields: dict | None) -> LoraConfig | None:
+    """A saved `LoraConfig` (JSON turned its tuple of targets into a list); None when not saved."""
+    if fields is None:
+        return None
+    return LoraConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 def _abstract(tree: Any) -> Any:
@@ -122,16 +134,21 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------------------
     def save(self, step: int, *, params: Any, opt_state: Any = None, extra: Any = None,
              rng: jax.Array | None = None, data_state: Mapping | None = None, config: Mapping | None = None,
-             model_config: ModelConfig | None = None, metrics: Mapping[str, float] | None = None) -> None:
-        """Start saving checkpoint `step`; returns once arrays are on the host (write continues)."""
+             model_config: ModelConfig | None = None, metrics: Mapping[str, float] | None = None,
+             adapters: Any = None, lora: LoraConfig | None = None) -> None:
+        """Start saving checkpoint `step`; returns once arrays are on the host (write continues).
+        `adapters` (LoRA, on the frozen `params`) need their `lora` config."""
+        if (adapters is None) != (lora is None):
+            raise ValueError("save LoRA adapters together with their lora config")
         if self.best_metric is not None and metrics is not None and self.best_metric not in metrics:
             raise CheckpointError(f"metrics {sorted(metrics)} lack the best-checkpoint metric {self.best_metric!r}")
-        trees = {"params": params, "opt_state": opt_state, "extra": extra}
+        trees = {"params": params, "opt_state": opt_state, "extra": extra, "adapters": adapters}
         items = {k: ocp.args.StandardSave(v) for k, v in trees.items() if v is not None}
         jsons = {"data": data_state, "config": config}
         items.update({k: ocp.args.JsonSave(dict(v)) for k, v in jsons.items() if v is not None})
         meta = {"format": FORMAT, "step": int(step), "rng": _key_to_json(rng), "items": sorted(items),
-                "model": None if model_config is None else dataclasses.asdict(model_config)}
+                "model": None if model_config is None else dataclasses.asdict(model_config),
+                "lora": None if lora is None else dataclasses.asdict(lora)}
         items["meta"] = ocp.args.JsonSave(meta)
         try:
             self._manager.save(int(step), args=ocp.args.Composite(**items), force=True,
@@ -186,10 +203,10 @@ class Checkpointer:
         return meta
 
     def restore(self, step: int | str | None = None, *, params: Any, opt_state: Any = None, extra: Any = None,
-                model_config: ModelConfig | None = None) -> Restored:
+                model_config: ModelConfig | None = None, adapters: Any = None) -> Restored:
         """Restore checkpoint `step` ("latest" by default, or "best", or a number).
 
-        `params`, `opt_state`, `extra` are templates (arrays or ShapeDtypeStructs) giving the
+        `params`, `opt_state`, `extra`, `adapters` are templates (arrays or ShapeDtypeStructs) giving the
         structure, shapes, dtypes and shardings to restore into; trees left None are skipped.
         Raises `CheckpointError` naming the first mismatch if the checkpoint does not fit the
         templates or was saved with a different `model_config`.
@@ -200,7 +217,7 @@ class Checkpointer:
         saved_model = model_config_from_dict(meta["model"], where) if meta["model"] is not None else None
         if model_config is not None and saved_model is not None:
             check_model_config(saved_model, model_config, where)
-        wanted = {"params": params, "opt_state": opt_state, "extra": extra}
+        wanted = {"params": params, "opt_state": opt_state, "extra": extra, "adapters": adapters}
         item_meta = self._manager.item_metadata(step)
         args = {}
         for name, template in wanted.items():
@@ -217,4 +234,5 @@ class Checkpointer:
                         extra=out["extra"] if extra is not None else None, rng=_key_from_json(meta["rng"]),
                         data_state=out["data"] if "data" in args else None,
                         config=out["config"] if "config" in args else None, model_config=saved_model,
-                        metrics=self._manager.metrics(step))
+                        metrics=self._manager.metrics(step), adapters=out["adapters"] if adapters is not None else None,
+                        lora=lora_config_from_dict(meta.get("lora")))

@@ -160,11 +160,29 @@ def project(x, w, contract: int = 1, dtype=None):
     a weight gradient with a single contracting axis (rows); with two (b and t), XLA:CPU first
     copies a transposed activation gradient, an extra pass over it for every weight.
     """
+    if is_adapted(w):  # a weight with a LoRA adapter (rljax.lora.LoraWeight) adds its low-rank branch
+        return w.project(x, contract, dtype)
     dtype = dtype or x.dtype
     lead, k_shape = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
     k = int(np.prod(k_shape))
     y = _matmul(x.reshape(-1, k).astype(dtype), w.astype(dtype).reshape(k, -1))
     return y.reshape(*lead, *w.shape[contract:])
+
+
+def is_adapted(w) -> bool:
+    """True for a weight that carries an adapter (`rljax.lora.LoraWeight`: a pytree with
+    `project`, `lookup` and `output_matrix`) instead of being a plain array. Checked in Python at
+    trace time, so a model without adapters compiles exactly as before."""
+    return not isinstance(w, (jax.Array, np.ndarray))
+
+
+def embed_tokens(cfg: ModelConfig, params: Params, tokens_bt):
+    """Rows of the input embedding for `tokens_bt`, [B, T, D] in f32 (with its LoRA delta when
+    the embedding is adapted)."""
+    w_vd = params["embed"]
+    if is_adapted(w_vd):
+        return w_vd.lookup(tokens_bt, cfg.compute_jnp_dtype)
+    return jnp.take(w_vd, tokens_bt, axis=0).astype(jnp.float32)
 
 
 @jax.custom_vjp
@@ -351,7 +369,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     if positions_bt is None:
         positions_bt = default_positions(attn_mask_bt)
     positions_bt = positions_bt.astype(jnp.int32)
-    h = jnp.take(params["embed"], tokens_bt, axis=0).astype(jnp.float32)
+    h = embed_tokens(cfg, params, tokens_bt)
     if cfg.scale_embeddings:
         # Gemma rounds the scale to the compute dtype (as HF does): sqrt(D) in bf16
         h = h * jnp.asarray(np.sqrt(cfg.hidden_size), dt).astype(jnp.float32)
@@ -423,8 +441,10 @@ def _cache_writer(index):
 
 
 def output_embedding(cfg: ModelConfig, params: Params):
-    """The [V, D] matrix the logits are computed against: the tied embedding or the LM head."""
-    return params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    """The [V, D] matrix the logits are computed against: the tied embedding or the LM head (an
+    adapted head merged with its LoRA delta; a tied head keeps the base embedding, as in PEFT)."""
+    w_vd = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    return w_vd.output_matrix() if is_adapted(w_vd) else w_vd
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):

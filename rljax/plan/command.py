@@ -80,8 +80,11 @@ def _mesh_overrides(mesh: str | None) -> list[str]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import jax
 
+    from rljax.lora import LoraConfig
     from rljax.plan.accelerators import ACCELERATORS, GIB, device_memory
     from rljax.plan.advice import check_fits
     from rljax.plan.memory import plan_memory, state_memory
@@ -112,6 +115,11 @@ def _plan(args: argparse.Namespace) -> int:
     print("mesh " + (" ".join(f"{k}={v}" for k, v in state.mesh.items()) or "none (one device)")
           + ("" if state.sampler_mesh is None else
              " | sampler mesh " + " ".join(f"{k}={v}" for k, v in state.sampler_mesh.items())))
+    if cfg.lora.enabled:  # what LoRA saves: the same recipe's state with every weight trained
+        full = state_memory(dataclasses.replace(cfg, lora=LoraConfig()), model_cfg, tokenizer=tokenizer)
+        print(f"LoRA: train state {state.total_bytes / GIB:.3f} GiB per device against {full.total_bytes / GIB:.3f} "
+              f"GiB for full fine-tuning (saves {(full.total_bytes - state.total_bytes) / GIB:.3f} GiB of optimiser "
+              f"state, reference and critic)")
     if limit is not None and state.total_bytes > limit[0]:  # nothing to compile: the state alone does not fit
         _print_rows(_state_rows(state), GIB)
         check_fits(cfg, *limit, model_cfg=model_cfg, tokenizer=tokenizer)
@@ -139,10 +147,14 @@ def _abstract_params(model_cfg):
 
 
 def _state_rows(state) -> list[tuple[str, int | None]]:
-    rows = [("params", state.params_bytes), ("optimiser state", state.opt_state_bytes),
+    rows = [("params" if not state.adapter_bytes else "params (frozen base)", state.params_bytes),
+            ("optimiser state", state.opt_state_bytes),
             ("reference model", state.reference_bytes), ("value model", state.value_bytes)]
-    if state.sampler_mesh is not None:
-        rows.append(("sampler's params copy", state.sampler_params_bytes))
+    if state.adapter_bytes:
+        rows.append(("LoRA adapters", state.adapter_bytes))
+    if state.sampler_mesh is not None or state.sampler_merged:
+        rows.append(("sampler's params copy" + (" (LoRA merged)" if state.sampler_merged else ""),
+                     state.sampler_params_bytes))
     return rows + [("train state", state.total_bytes)]
 
 

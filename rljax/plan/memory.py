@@ -96,10 +96,13 @@ class StateMemory:
     value_bytes: int
     other_bytes: int  # the step counter
     sampler_params_bytes: int
+    adapter_bytes: int = 0  # LoRA adapters (`params` is then the frozen base)
+    sampler_merged: bool = False  # LoRA: the sampler decodes a merged copy, not the state's params
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.opt_state_bytes + self.reference_bytes + self.value_bytes + self.other_bytes
+        return (self.params_bytes + self.opt_state_bytes + self.reference_bytes + self.value_bytes + self.other_bytes
+                + self.adapter_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,7 @@ class MemoryPlan:
 
     @property
     def sampler_peak_bytes(self) -> int:
-        shared = 0 if self.state.sampler_mesh is not None else self.state.params_bytes
+        shared = 0 if self.state.sampler_mesh is not None or self.state.sampler_merged else self.state.params_bytes
         return self.state.total_bytes - shared + self.sampler.peak_bytes
 
     @property
@@ -143,12 +146,15 @@ class MemoryPlan:
 
 
 def abstract_train_state(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainState:
-    """The run's fresh train state as ShapeDtypeStructs (`init_train_state` traced, not run)."""
-    def init():
+    """The run's fresh train state as ShapeDtypeStructs (`init_train_state` traced, not run). With
+    `lora.adapter` set, the adapter's files are read for its rank and targets."""
+    lora, adapters = setup.build_lora(cfg.lora, model_cfg)
+
+    def init(adapters):
         params = init_params(model_cfg, jax.random.key(0))
         return init_train_state(model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                                shaping=cfg.shaping)
-    return jax.eval_shape(init)
+                                shaping=cfg.shaping, lora=lora, adapters=adapters)
+    return jax.eval_shape(init, adapters)
 
 
 def device_bytes(tree) -> int:
@@ -208,7 +214,11 @@ class _Pieces:
             model_cfg = setup.policy_config(cfg.model, tokenizer)
         trainer, sampler = setup.build_layouts(cfg.mesh)
         state = abstract_state_in(cfg, model_cfg, trainer)
-        params = state.params if sampler is None else abstract_like(state.params, sampler.params(state.params))
+        params = state.params
+        if state.lora is not None:  # the sampler's params: the base with the adapters merged
+            params = jax.eval_shape(TrainState.sampler_params, state)
+            params = params if trainer is None else abstract_like(params, trainer.params(params))
+        params = params if sampler is None else abstract_like(params, sampler.params(params))
         callback = as_callback(setup.build_reward(cfg.reward), lambda ids: [""] * len(ids), ())  # never called
         return cls(cfg, model_cfg, trainer, sampler, state, params, abstract_prompts(cfg, sampler or trainer),
                    _controls(cfg, model_cfg, tokenizer), callback)
@@ -231,8 +241,9 @@ class _Pieces:
             sampler_mesh=dict(self.sampler.mesh.shape) if self.sampler is not None else None,
             params_bytes=device_bytes(s.params), opt_state_bytes=device_bytes(s.opt_state),
             reference_bytes=device_bytes(s.ref_params), value_bytes=device_bytes(s.value_params),
-            other_bytes=device_bytes(s.step),
-            sampler_params_bytes=device_bytes(self.params) if self.sampler is not None else 0)
+            other_bytes=device_bytes(s.step), adapter_bytes=device_bytes(s.adapters),
+            sampler_params_bytes=device_bytes(self.params) if self.sampler is not None or s.lora is not None else 0,
+            sampler_merged=s.lora is not None and s.lora.merge_for_sampling)
 
     def sampler_memory(self) -> ProgramMemory:
         """The sampling program, as `make_split_iteration` compiles it (in the trainer's layout

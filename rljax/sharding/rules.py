@@ -57,6 +57,14 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule(r"(^|/)(gate|up)$", rank=2, tensor_dim=-1),  # [D, F]: column parallel
     Rule(r"(^|/)down$", rank=2, tensor_dim=-2),  # [F, D]: row parallel
     Rule(r"(^|/)(\w*norm|o_bias|value_head)$", rank=1),  # [D] or [H]: no split
+    # LoRA adapters (rljax.lora) split on tensor where their weight is, so x A B shards as x W does.
+    Rule(r"(^|/)(q|k|v)/lora_b$", rank=3, tensor_dim=-2),  # [r, N or K, H]: heads
+    Rule(r"(^|/)o/lora_a$", rank=3, tensor_dim=-3),  # [N, H, r]: input heads
+    Rule(r"(^|/)(gate|up)/lora_b$", rank=2, tensor_dim=-1),  # [r, F]
+    Rule(r"(^|/)down/lora_a$", rank=2, tensor_dim=-2),  # [F, r]
+    Rule(r"(^|/)embed/lora_a$", rank=2, tensor_dim=-2),  # [V, r]: vocab
+    Rule(r"(^|/)lm_head/lora_b$", rank=2, tensor_dim=-1),  # [r, V]: vocab
+    Rule(r"(^|/)((q|k|v|gate|up|lm_head)/lora_a|(o|down|embed)/lora_b)$", rank=2),  # [D, r], [r, D]
     Rule(r"(^|/)value_bias$", rank=0),
 )
 

@@ -25,6 +25,11 @@ def register(sub) -> None:
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.add_argument("--step", default="best")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--merge", action="store_true",
+                      help="one HF model, a LoRA run's adapters merged into its base (the default)")
+    form.add_argument("--adapter", action="store_true",
+                      help="a LoRA run as a PEFT adapter directory, with its base model in OUT_DIR/base")
     p.set_defaults(func=_export)
 
 
@@ -105,9 +110,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from rljax.checkpoint import export_hf
+    from rljax.checkpoint import export_hf, export_peft
 
     _, step = _run_config(args.run_dir, args.step)
+    if args.adapter:
+        lora = export_peft(f"{args.run_dir}/checkpoints", args.out_dir, step)
+        print(f"exported the rank-{lora.rank} LoRA adapter of step {step} of {args.run_dir} to {args.out_dir} "
+              f"(its base model: {args.out_dir}/base)")
+        return 0
     export_hf(f"{args.run_dir}/checkpoints", args.out_dir, step)
     print(f"exported step {step} of {args.run_dir} to {args.out_dir}")
     return 0

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from rljax.config_io import apply_overrides, build, load_toml, to_dict
 from rljax.errors import ConfigError
+from rljax.lora import LoraConfig
 from rljax.storage import copy_locally_hint, is_remote
 from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.shaping import RewardShaping
@@ -230,9 +231,14 @@ class TrainConfig:
     metrics: MetricsSection = MetricsSection()
     mesh: MeshSection = MeshSection()
     plan: PlanSection = PlanSection()
+    # Low-rank adapters on the frozen policy (`rljax.lora`); rank 0, the default, trains every weight.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples
+        if self.rl.reference_reset_every and self.lora.enabled:
+            raise ConfigError(f"rl.reference_reset_every={self.rl.reference_reset_every}: a LoRA run's reference is "
+                              "its frozen base model and cannot be reset; set rl.reference_reset_every=0")
         if self.rl.reference_reset_every and not self.algorithm.needs.reference_logp:
             raise ConfigError(f"rl.reference_reset_every={self.rl.reference_reset_every} needs a KL reference: set "
                               f"algorithm.kl_coef > 0, or rl.reference_reset_every=0")

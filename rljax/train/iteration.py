@@ -8,9 +8,10 @@ visited once (inside the verifier callback), and the train state is donated.
 
 `make_split_iteration` is the same iteration when the sampler has its own layout (e.g. params
 replicated over data-parallel sampler replicas, split over tensor-parallel heads): the trainer's
-params are resharded on device into the sampler layout (`rljax.sharding.sync_weights`, timed as
-weight-sync seconds), a sampling program builds the `RolloutBatch` there, and the update program
-runs in the trainer layout. Both forms draw the same keys, so they give the same result.
+params (under LoRA, the base with the adapters merged) are resharded on device into the sampler
+layout (`rljax.sharding.sync_weights`, timed as weight-sync seconds), a sampling program builds
+the `RolloutBatch` there, and the update program runs in the trainer layout. Both forms draw
+the same keys, so they give the same result.
 
 Across processes both forms work unchanged: inputs are global arrays and the verifier callback
 runs once, on the process that holds device 0, which sees every row (every process holds the
@@ -67,8 +68,8 @@ def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_g
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         k_sample, k_update = jax.random.split(key)
-        batch, rollout_metrics, preview = roll(state.model_cfg, state.algo.needs, state.params, prompt_tokens_pt,
-                                               prompt_mask_pt, index_p, k_sample)
+        batch, rollout_metrics, preview = roll(state.model_cfg, state.algo.needs, state.sampler_params(),
+                                               prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
         state, train_metrics = update(state, batch, k_update)
         metrics = merge_metrics(rollout_metrics, train_metrics)
         if layout is not None:
@@ -99,8 +100,10 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
     def rows_sharding(layout: Layout, size: int) -> NamedSharding:
         return NamedSharding(layout.mesh, P(batch_axes(layout.mesh, size)))
 
-    sampler_params_sh = sampler.params(state.params)
+    sampler_params_sh = sampler.params(jax.eval_shape(TrainState.sampler_params, state))
     state_shardings = trainer.tree(state)
+    # LoRA: the sampler's copy is the base with the adapters merged, built in the trainer layout
+    to_sampler = jax.jit(TrainState.sampler_params) if state.lora is not None else TrainState.sampler_params
 
     def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         k_sample, _ = jax.random.split(key)
@@ -120,7 +123,9 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
                          out_shardings=(state_shardings, trainer.replicated))
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
-        params, sync_s = sync_weights(state.params, sampler_params_sh)
+        t_sync = time.perf_counter()
+        params, _ = sync_weights(jax.block_until_ready(to_sampler(state)), sampler_params_sh)
+        sync_s = time.perf_counter() - t_sync
         t0 = time.perf_counter()
         batch, rollout_metrics, preview = sample_jit(params, prompt_tokens_pt, prompt_mask_pt, index_p, key)
         batch = jax.block_until_ready(jax.device_put(batch, batch_sh))  # sampler -> trainer mesh

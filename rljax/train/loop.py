@@ -69,6 +69,8 @@ class Run:
     tokenizer: Any
     model_cfg: Any
     params: Any  # the initial policy (before any warm start)
+    lora: Any  # the LoRA config (None: every weight trains)
+    adapters: Any  # LoRA adapters to start from (a PEFT adapter); None: fresh ones
     train_set: tuple
     fmt: Any
     reward_fn: Any
@@ -104,7 +106,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
         step = it + 1
         last = step == cfg.rl.iterations
         if step % cfg.eval.every == 0 or last:
-            accuracy = metrics["eval/accuracy"] = greedy_accuracy(run.evaluator, _eval_params(state.params, run))
+            policy = _eval_params(state.sampler_params(), run)
+            accuracy = metrics["eval/accuracy"] = greedy_accuracy(run.evaluator, policy)
         run.writer.write(step, metrics)
         if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
             run.writer.write_samples(step, preview_samples(run, preview))
@@ -129,6 +132,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     trainer_layout, sampler_layout = setup.build_layouts(cfg.mesh)
     tokenizer = setup.build_tokenizer(cfg.model)
     model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
+    lora, adapters = setup.build_lora(cfg.lora, model_cfg)
     train_set, held_out, skipped = setup.build_splits(cfg.data)
     fmt = setup.prompt_format(cfg.data)
     reward_fn = setup.build_reward(cfg.reward)
@@ -144,13 +148,16 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                "held-out prompts over data.max_prompt_tokens (dropped)": evaluator.num_too_long}
     log(setup.run_summary(cfg, model_cfg, params, train_set, held_out)
         + "".join(f" | {what} {n}" for what, n in dropped.items() if n))
+    if lora is not None:
+        log(setup.lora_summary(lora, model_cfg, params))
     writer = MetricsWriter(out, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                         best_metric=cfg.checkpoint.best_metric)
     return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop},
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
-               model_cfg=model_cfg, params=params, train_set=train_set, fmt=fmt, reward_fn=reward_fn, data=data,
+               model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
+               reward_fn=reward_fn, data=data,
                num_prompts=num_prompts, controls=controls, evaluator=evaluator, writer=writer, ckpt=ckpt, log=log)
 
 
@@ -159,16 +166,18 @@ def new_train_state(run: Run, params) -> TrainState:
     out of one program with the layout's `out_shardings` (`init_train_state`), params as they are."""
     cfg = run.cfg
     return init_train_state(run.model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                            shaping=cfg.shaping, layout=run.trainer_layout)
+                            shaping=cfg.shaping, layout=run.trainer_layout, lora=run.lora, adapters=run.adapters)
 
 
 def abstract_train_state(run: Run) -> TrainState:
     """The fresh state's shapes, dtypes and trainer-layout shardings, allocating nothing: the
     restore target, so orbax reads each process's shards straight into place."""
     cfg = run.cfg
-    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.params)
-    state = jax.eval_shape(lambda p: init_train_state(run.model_cfg, p, cfg.algorithm, cfg.optim,
-                                                      update_cfg=cfg.update, shaping=cfg.shaping), abstract_params)
+    abstract_params, abstract_adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                      (run.params, run.adapters))
+    state = jax.eval_shape(lambda p, a: init_train_state(run.model_cfg, p, cfg.algorithm, cfg.optim,
+                                                         update_cfg=cfg.update, shaping=cfg.shaping, lora=run.lora,
+                                                         adapters=a), abstract_params, abstract_adapters)
     if run.trainer_layout is None:
         return state
     return abstract_like(state, run.trainer_layout.tree(state))
@@ -187,7 +196,7 @@ def initial_state(run: Run, *, resume: bool):
         run.log(f"no checkpoint in {run.ckpt.directory}; starting from scratch")
     params = warm_start(run)
     state = new_train_state(run, params)
-    accuracy = greedy_accuracy(run.evaluator, _eval_params(state.params, run))
+    accuracy = greedy_accuracy(run.evaluator, _eval_params(state.sampler_params(), run))
     run.log(f"held-out greedy accuracy before RL: {accuracy:.3f}")
     row = {"step": 0, "eval/accuracy": accuracy, "eval/prompts_too_long": run.evaluator.num_too_long}
     run.writer.write(0, row)
@@ -199,10 +208,11 @@ def restore(run: Run, data_iter) -> tuple[TrainState, int]:
     shards it holds), with the prompt iterator set to the batch after it."""
     template = abstract_train_state(run)
     restored = run.ckpt.restore(params=template.params, opt_state=template.opt_state, extra=_extra(template),
-                                model_config=run.model_cfg)
+                                model_config=run.model_cfg, adapters=template.adapters)
     data_iter.set_state(restored.data_state)
     run.log(f"resumed from {run.ckpt.directory}/{restored.step}")
-    return template.replace(params=restored.params, opt_state=restored.opt_state, **restored.extra), restored.step
+    return template.replace(params=restored.params, opt_state=restored.opt_state, adapters=restored.adapters,
+                            **restored.extra), restored.step
 
 
 def warm_start(run: Run):
@@ -276,7 +286,7 @@ def save(run: Run, state: TrainState, step: int, data_iter, accuracy: float | No
     best = {run.cfg.checkpoint.best_metric: accuracy} if run.cfg.checkpoint.best_metric else None
     run.ckpt.save(step, params=state.params, opt_state=state.opt_state, extra=_extra(state), rng=run.keys["loop"],
                   data_state=data_iter.get_state(), config=run.cfg.to_dict(), model_config=run.model_cfg,
-                  metrics=best)
+                  metrics=best, adapters=state.adapters, lora=state.lora)
 
 
 def finish(run: Run, state: TrainState, history: list[dict[str, Any]], accuracy: float | None) -> RunResult:

@@ -5,6 +5,7 @@ Each builder is a plain function of the config so notebooks can call them one by
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from rljax.data.sources import load_task
 from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat
 from rljax.errors import ConfigError
+from rljax.lora import LoraConfig, adapter_shapes, load_peft
 from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
 from rljax.sharding import Layout
 from rljax.tokenizers import CharTokenizer, Tokenizer
@@ -59,6 +61,18 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
         return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
                        shardings=shardings)
     return cfg, init_params(cfg, key, shardings=shardings)
+
+
+def build_lora(section: LoraConfig, cfg: ModelConfig) -> tuple[LoraConfig | None, Any]:
+    """(LoRA config, starting adapters): (None, None) without LoRA; fresh adapters are made with
+    the train state (None here); `lora.adapter` loads a PEFT adapter to continue, whose
+    adapter_config.json sets rank, alpha, dropout, rsLoRA and targets."""
+    if not section.enabled:
+        return None, None
+    if section.adapter is None:
+        adapter_shapes(cfg, section)  # a target this model lacks is a ConfigError before anything is built
+        return section, None
+    return load_peft(section.adapter, cfg, defaults=section)
 
 
 def build_layouts(section: MeshSection):
@@ -118,6 +132,14 @@ def build_reward(section: RewardSection) -> rewards.RewardFn:
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
     return rewards.compose(**terms)
+
+
+def lora_summary(lora: LoraConfig, cfg: ModelConfig, params: Any) -> str:
+    """One line: rank, scale, targets and the adapters' share of the model's parameters."""
+    trained = sum(math.prod(a) + math.prod(b) for a, b in adapter_shapes(cfg, lora).values())
+    total = sum(x.size for x in jax.tree.leaves(params))
+    return (f"LoRA rank {lora.rank} (scale {lora.scale:g}) on {', '.join(adapter_shapes(cfg, lora))}: "
+            f"{trained / 1e6:.3f}M trained params ({100 * trained / total:.1f}% of the model), the base frozen")
 
 
 def run_summary(cfg: TrainConfig, model_cfg: ModelConfig, params: Any, train: tuple, held: tuple) -> str:

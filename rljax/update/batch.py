@@ -143,11 +143,12 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
         return sg(_chunked(lambda t, a: token_logprobs(cfg, params, t, a, chunk_size=lp_chunks.time,
                                                        vocab_chunk=lp_chunks.vocab)[0], chunks, toks, attn))
 
+    policy, critic = state.models()  # no LoRA dropout: these are the policy's own log-probs
     sampler_logp = batch.sampler_logp_bt.astype(f32)
     old_logp, is_w = sampler_logp, jnp.ones_like(mask)
     metrics: dict[str, jax.Array] = {}
     if algo.recompute_old_logp:
-        trainer_logp = score(state.params)
+        trainer_logp = score(policy)
         is_w, kept = OFF_POLICY.get(algo.off_policy)(trainer_logp, sampler_logp, mask, cap=algo.off_policy_cap,
                                                     level=algo.off_policy_level)
         metrics.update(logp_mismatch(trainer_logp, sampler_logp, mask))
@@ -156,14 +157,14 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
         old_logp, mask = trainer_logp, kept
     ref_logp = token_rewards = None
     if needs.reference_logp:
-        ref_logp = score(state.ref_params)
+        ref_logp = score(state.reference_params)
         if algo.kl_in_reward:
             token_rewards = -algo.kl_coef * kl(old_logp, ref_logp, algo.kl_estimator, clamp=algo.kl_clamp) * mask
     old_values = None
     if needs.values:
         old_values = batch.old_values_bt
         if old_values is None:
-            old_values = _chunked(lambda t, a: state_values(cfg, state.value_params, t, a), chunks, toks, attn)
+            old_values = _chunked(lambda t, a: state_values(cfg, critic, t, a), chunks, toks, attn)
         old_values = sg(old_values.astype(f32))
     adv = ADVANTAGES.get(algo.advantage)(
         rewards_b, batch.group_ids_b, mask, token_rewards_bt=token_rewards, baseline_b=batch.baseline_rewards_b,

@@ -34,13 +34,14 @@ def aggregation_denominator(batch: PreparedBatch, algo: AlgorithmConfig, norm_le
 
 
 def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: ModelConfig, algo: AlgorithmConfig,
-                    update_cfg: UpdateConfig, norm_length: int, share: float = 1.0
+                    update_cfg: UpdateConfig, norm_length: int, share: float = 1.0, models=None
                     ) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
     """Total loss of one micro-batch (numerators over the mini-batch denominator `den`) and its
     metrics: (numerator, denominator) pairs and extremes. `share` is this micro-batch's share of
     the mini-batch (1 / num_microbatches), so loss pairs (num, share * den) sum to the mini-batch's
-    own ratio for every aggregation mode."""
-    params, value_params = trainable
+    own ratio for every aggregation mode. `trainable` is the (policy, critic) params pair, or
+    what `models` maps to it (a LoRA state's `TrainState.models`: adapters onto the frozen base)."""
+    params, value_params = trainable if models is None else models(trainable)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from rljax.errors import ConfigError
+from rljax.lora import LoraConfig, attach, attach_value, init_adapters, init_value_adapters, merge
 from rljax.models import ModelConfig, init_value_params
 from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.shaping import RewardShaping
@@ -40,7 +41,12 @@ Params = Any
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything an update changes, plus the static configs that shape the compiled program."""
+    """Everything an update changes, plus the static configs that shape the compiled program.
+
+    With LoRA (`lora` set, `rljax.lora`) `params` is the frozen base model and `adapters` are what
+    the update trains (with the critic's adapters and head in `value_params`, when there is a
+    critic): gradients and optimiser state cover `trainable` only, and the reference policy is
+    the base itself (`reference_params`), so `ref_params` stays None."""
 
     model_cfg: ModelConfig = flax.struct.field(pytree_node=False)
     algo: AlgorithmConfig = flax.struct.field(pytree_node=False)
@@ -52,6 +58,38 @@ class TrainState:
     opt_state: Any
     value_params: Params | None = None
     ref_params: Params | None = None
+    adapters: Params | None = None
+    lora: LoraConfig | None = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def trainable(self) -> tuple[Params, Params | None]:
+        """(policy part, critic part) the optimiser updates: the params, or the LoRA adapters."""
+        return (self.params if self.adapters is None else self.adapters), self.value_params
+
+    def models(self, trainable=None, dropout_key: jax.Array | None = None) -> tuple[Params, Params | None]:
+        """(policy params, critic params) the forward runs, from `trainable` (default: the state's):
+        as they are, or the frozen base with the adapters attached (`rljax.lora.attach`; the
+        dropout key turns on LoRA dropout, for the trained forward)."""
+        policy, critic = self.trainable if trainable is None else trainable
+        if self.adapters is None:
+            return policy, critic
+        k_policy, k_critic = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        policy = attach(self.params, policy, self.lora, dropout_key=k_policy)
+        return policy, None if critic is None else attach_value(self.params, critic, self.lora, dropout_key=k_critic)
+
+    @property
+    def reference_params(self) -> Params | None:
+        """The KL reference: the frozen base under LoRA (the adapters switched off), else the copy."""
+        return self.params if self.adapters is not None else self.ref_params
+
+    def sampler_params(self) -> Params:
+        """The policy the sampler decodes with: the params, or under LoRA the base with the
+        adapters merged (`lora.merge_for_sampling`) or attached."""
+        if self.adapters is None:
+            return self.params
+        if self.lora.merge_for_sampling:
+            return merge(self.params, self.adapters, self.lora)
+        return attach(self.params, self.adapters, self.lora)
 
 
 def _copy(tree):
@@ -61,10 +99,15 @@ def _copy(tree):
 def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConfig, optim: OptimConfig, *,
                      update_cfg: UpdateConfig = UpdateConfig(), shaping: RewardShaping = RewardShaping(),
                      value_params: Params | None = None, key: jax.Array | None = None,
-                     layout: Layout | None = None) -> TrainState:
+                     layout: Layout | None = None, lora: LoraConfig | None = None,
+                     adapters: Params | None = None) -> TrainState:
     """A fresh train state. The reference policy is a frozen copy of `params` when the objective
     needs reference log-probs (a KL term); a value model is built on the policy backbone when it
     needs values (`value_coef > 0`).
+
+    With `lora` enabled (rank > 0) `params` stay frozen: the state trains `adapters` (fresh when
+    None, e.g. `rljax.lora.load_peft`'s to continue one), the critic is the base with adapters of
+    its own and a head, and no reference copy is made (the base is the reference).
 
     With `layout` (the trainer's `rljax.sharding.Layout`) the state is born sharded: the reference
     copy, the value model and the optimiser moments come out of one compiled program whose
@@ -73,27 +116,39 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
     are when already in the layout (no copy); otherwise they are moved there device to device
     first. Without a layout the state is built eagerly next to `params`."""
     key = key if key is not None else jax.random.key(0)
-    configs = dict(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping)
+    lora = lora if lora is not None and lora.enabled else None
+    configs = dict(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping, lora=lora)
     if layout is None:
-        return TrainState(**configs, params=params, **_fresh_parts(model_cfg, algo, optim, params, value_params, key))
-    build = functools.partial(_fresh_parts, model_cfg, algo, optim)
-    abstract = jax.eval_shape(lambda p, v, k: TrainState(**configs, params=p, **build(p, v, k)),
-                              params, value_params, key)
+        return TrainState(**configs, params=params,
+                          **_fresh_parts(model_cfg, algo, optim, lora, params, value_params, adapters, key))
+    build = functools.partial(_fresh_parts, model_cfg, algo, optim, lora)
+    abstract = jax.eval_shape(lambda p, v, a, k: TrainState(**configs, params=p, **build(p, v, a, k)),
+                              params, value_params, adapters, key)
     shardings = layout.tree(abstract)
     params = _in_layout(params, shardings.params)
-    out = {name: getattr(shardings, name) for name in ("step", "opt_state", "value_params", "ref_params")}
-    return TrainState(**configs, params=params, **jax.jit(build, out_shardings=out)(params, value_params, key))
+    out = {name: getattr(shardings, name) for name in ("step", "opt_state", "value_params", "ref_params", "adapters")}
+    return TrainState(**configs, params=params,
+                      **jax.jit(build, out_shardings=out)(params, value_params, adapters, key))
 
 
-def _fresh_parts(model_cfg: ModelConfig, algo: AlgorithmConfig, optim: OptimConfig, params: Params,
-                 value_params: Params | None, key: jax.Array) -> dict[str, Any]:
-    """The fields of a fresh state besides params: step, optimiser state, value params, reference."""
+def _fresh_parts(model_cfg: ModelConfig, algo: AlgorithmConfig, optim: OptimConfig, lora: LoraConfig | None,
+                 params: Params, value_params: Params | None, adapters: Params | None,
+                 key: jax.Array) -> dict[str, Any]:
+    """The fields of a fresh state besides params: step, optimiser state, value params, reference
+    and, with LoRA, the adapters."""
     needs = algo.needs
-    if needs.values and value_params is None:
+    if lora is not None:
+        k_policy, k_critic = jax.random.split(key)
+        adapters = init_adapters(model_cfg, lora, k_policy) if adapters is None else adapters
+        if needs.values and value_params is None:
+            value_params = init_value_adapters(model_cfg, lora, k_critic)
+    elif needs.values and value_params is None:
         value_params = init_value_params(model_cfg, params, key)
     value_params = value_params if needs.values else None
-    return {"step": jnp.zeros((), jnp.int32), "opt_state": make_optimizer(optim).init((params, value_params)),
-            "value_params": value_params, "ref_params": _copy(params) if needs.reference_logp else None}
+    trained = params if lora is None else adapters
+    return {"step": jnp.zeros((), jnp.int32), "opt_state": make_optimizer(optim).init((trained, value_params)),
+            "value_params": value_params, "adapters": adapters if lora is not None else None,
+            "ref_params": _copy(params) if needs.reference_logp and lora is None else None}
 
 
 def _in_layout(params: Params, shardings) -> Params:
@@ -111,9 +166,12 @@ def reset_reference(state: TrainState, reset_optimizer: bool = True) -> TrainSta
     """ProRL's reference reset (Liu et al., 2025): the reference becomes a copy of the current
     policy and, by default, the optimiser moments restart. The learning-rate schedule does not
     restart: its step count is kept, so warmup is not replayed and the logged `lr` stays true."""
+    if state.adapters is not None:
+        raise ConfigError("a LoRA run's reference is its frozen base model and cannot be reset; "
+                          "set rl.reference_reset_every=0")
     opt_state = state.opt_state
     if reset_optimizer:
-        fresh = make_optimizer(state.optim).init((state.params, state.value_params))
+        fresh = make_optimizer(state.optim).init(state.trainable)
         is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
         opt_state = jax.tree.map(lambda new, old: old if is_schedule(new) else new, fresh, state.opt_state,
                                  is_leaf=is_schedule)
@@ -144,17 +202,21 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
     prepared, metrics = prepare_batch(state, batch)
     grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
-    def minibatch(carry, mb):
-        trainable, opt_state = carry
+    lora_dropout = state.lora is not None and state.lora.dropout > 0
+
+    def minibatch(carry, xs):
+        (trainable, opt_state), (mb, mb_key) = carry, xs
         den = aggregation_denominator(mb, algo, norm_length)
 
-        def micro(g_acc, part):
+        def micro(g_acc, xs):
+            part, key = xs
+            models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
             (_, aux), grads = grad_fn(trainable, part, den, cfg=cfg, algo=algo, update_cfg=sched,
-                                      norm_length=norm_length, share=1.0 / n_micro)
+                                      norm_length=norm_length, share=1.0 / n_micro, models=models)
             return jax.tree.map(jnp.add, g_acc, grads), aux
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
-        grads, (pairs, ext) = jax.lax.scan(micro, zeros, rows(mb, n_micro))
+        grads, (pairs, ext) = jax.lax.scan(micro, zeros, (rows(mb, n_micro), jax.random.split(mb_key, n_micro)))
         pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), pairs)
         ext = {k: _extreme(k, v) for k, v in ext.items()}
         pairs["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
@@ -166,11 +228,12 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
         if n_mb > 1:
             perm = jax.random.permutation(key, b)
             shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), prepared)
-        return jax.lax.scan(minibatch, carry, rows(shuffled, n_mb))
+        mb_keys = jax.random.split(jax.random.fold_in(key, 1), n_mb)  # LoRA dropout
+        return jax.lax.scan(minibatch, carry, (rows(shuffled, n_mb), mb_keys))
 
     keys = jax.random.split(rng, sched.num_epochs)
-    carry = ((state.params, state.value_params), state.opt_state)
-    ((params, value_params), opt_state), (pairs, ext) = jax.lax.scan(epoch, carry, keys)
+    carry = (state.trainable, state.opt_state)
+    ((trained, value_params), opt_state), (pairs, ext) = jax.lax.scan(epoch, carry, keys)
     # pairs and extremes are stacked [epochs, minibatches]
     for name, (num, den) in pairs.items():
         metrics[name] = jnp.sum(num) / jnp.maximum(jnp.sum(den), 1e-8)
@@ -188,8 +251,8 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
     metrics["rollout/ratio_first_max"] = ext["ratio/max"][0, 0]
     metrics["lr"] = make_schedule(state.optim)(state.step)
     metrics["num_updates"] = jnp.asarray(sched.num_epochs * n_mb, jnp.int32)
-    new_state = state.replace(step=state.step + sched.num_epochs * n_mb, params=params,
-                              value_params=value_params, opt_state=opt_state)
+    new_state = state.replace(step=state.step + sched.num_epochs * n_mb, value_params=value_params,
+                              opt_state=opt_state, **{"params" if state.adapters is None else "adapters": trained})
     return new_state, metrics
 
 
