@@ -74,6 +74,9 @@ def build_table() -> str:
                   "(`matmul_only_decode_tok_s`: the model's own weights chained in a `fori_loop`, no "
                   "attention, cache or sampling). It leaves attention out, so it is loose for long "
                   "completions.", ""]
+    lt = _load("sampling_longtail")
+    if lt:
+        lines += longtail_section(lt)
     u = _load("update")
     if u:
         lines += ["## Update step vs a PyTorch step (B=32, T=128, one epoch, one mini-batch)", "",
@@ -131,6 +134,63 @@ def build_table() -> str:
               "`bench_sampling.py` (its decode share of bandwidth, over the HBM bandwidth it measures) "
               "report them when run on an accelerator.", ""]
     return "\n".join(lines)
+
+
+_LONGTAIL_NAMES = {"transformers_8x64": "transformers `generate`, 8 batches of 64 rows",
+                   "rljax_static_8x64": "rljax static, 8 batches of 64 rows",
+                   "rljax_static_one_call": "rljax static, all 512 rows in one call"}
+
+
+def _longtail_name(system: str, row: dict) -> str:
+    if system in _LONGTAIL_NAMES:
+        return _LONGTAIL_NAMES[system]
+    m = re.fullmatch(r"rljax_continuous_s(\d+)_p(\d+)", system)
+    if not m:
+        return system
+    prefill = f"prefill in the loop, {m[2]} prompts at a time" if int(m[2]) else "prompts prefilled up front"
+    return f"rljax continuous, {m[1]} slots (drain to {row.get('drain_slots', '-')}), {prefill}"
+
+
+def longtail_section(lt: dict) -> list[str]:
+    """The table of `bench_sampling.py --longtail-only`: the RL-shaped long-tail workload."""
+    w, v, m = lt["workload"], lt["versions"], lt["machine"]
+    lengths = w["lengths"]
+    lines = ["## Long-tail RL sampling: continuous vs static batching vs transformers", "",
+             f"{m.get('cpus')} CPUs ({m.get('cpu_model') or 'model not recorded'}), jax {v['jax']}, torch "
+             f"{v.get('torch')}, transformers {v.get('transformers')}. Workload (`bench/longtail.py`): "
+             f"{w['prompts']} prompts x {w['samples']} samples, prompts of {w['prompt_len']} tokens, completion "
+             f"lengths imposed by forcing EOS (lognormal: median {lengths['median']:g}, mean {lengths['mean']:g}, "
+             f"{lengths['share_at_cap']:.1%} at the {w['cap']}-token cap, {lengths['total_tokens']:,} useful tokens); "
+             "every system's output lengths are asserted equal to the imposed ones. Useful tok/s = the imposed "
+             "tokens / net seconds (wall minus JAX's compile time inside the call); occupancy = live row-steps / "
+             "computed row-steps. Other CPU-s = CPU seconds other processes used during the run: this is a "
+             "shared 2-core machine, so compare systems within a row's run, not across dates.", ""]
+    for r in lt["results"]:
+        rows = {s["system"]: s for s in r["systems"]}
+        ratio = r["ratios"]
+        static_s, theirs_s = rows[ratio["static"]]["net_s"], rows[ratio["transformers"]]["net_s"]
+        theirs = rows[ratio["transformers"]]["runs"][0]
+        lines += [f"**{r['config']}** ({r['date']}, {r['repeats']} repeat(s), median). transformers ran under "
+                  f"its faster setting of a first-call calibration (`{theirs.get('setting', '-')}`: KV cache, "
+                  f"torch threads).", "",
+                  _row("system", "net s", "useful tok/s", "decode steps", "occupancy", "steps on finished rows",
+                       "vs rljax static", "vs transformers", "other CPU-s"),
+                  _row(*["---"] * 9)]
+        for name, s in rows.items():
+            other = sum(run.get("other_cpu_s", 0) for run in s["runs"]) / len(s["runs"])
+            lines.append(_row(_longtail_name(name, s), s["net_s"], s["useful_tok_s"], s["decode_steps"],
+                              f"{s['occupancy']:.1%}", f"{s['wasted_row_step_share']:.1%}",
+                              f"{static_s / s['net_s']:.2f}x", f"{theirs_s / s['net_s']:.2f}x", f"{other:.0f}"))
+        lines += ["", f"Continuous at 64 slots over rljax static: **{ratio['continuous_vs_static']}x**; over "
+                  f"transformers: **{ratio['continuous_vs_transformers']}x** (fastest continuous variant: "
+                  f"{ratio['fastest_continuous_vs_static']}x and {ratio['fastest_continuous_vs_transformers']}x)."
+                  + (f" Eight times transformers' fastest one-batch calibration call "
+                     f"({ratio['transformers_first_call_x8_s']} s, a full pass free of its neighbours' load) "
+                     f"gives {ratio['continuous_vs_transformers_first_call_x8']}x."
+                     if "transformers_first_call_x8_s" in ratio else ""), ""]
+    for note in lt.get("notes", []):
+        lines += [note, ""]
+    return lines
 
 
 def real_shapes_section(rs: dict) -> list[str]:
