@@ -164,7 +164,10 @@ def longtail_section(lt: dict) -> list[str]:
              "every system's output lengths are asserted equal to the imposed ones. Useful tok/s = the imposed "
              "tokens / net seconds (wall minus JAX's compile time inside the call); occupancy = live row-steps / "
              "computed row-steps. Other CPU-s = CPU seconds other processes used during the run: this is a "
-             "shared 2-core machine, so compare systems within a row's run, not across dates.", ""]
+             "shared 2-core machine, so compare systems within a row's run, not across dates. Static batching "
+             "decodes 1,023 steps of 64 rows in every one of its 8 batches (each holds a row at the cap), so a "
+             "row marked \"first 1 of 8 batches\" ran one batch and reports 8 times its time "
+             "(`bench_sampling.py --static-batches 1`).", ""]
     for r in lt["results"]:
         rows = {s["system"]: s for s in r["systems"]}
         ratio = r["ratios"]
@@ -178,7 +181,9 @@ def longtail_section(lt: dict) -> list[str]:
                   _row(*["---"] * 9)]
         for name, s in rows.items():
             other = sum(run.get("other_cpu_s", 0) for run in s["runs"]) / len(s["runs"])
-            lines.append(_row(_longtail_name(name, s), s["net_s"], s["useful_tok_s"], s["decode_steps"],
+            k = s["runs"][0].get("extrapolated_from_batches")
+            label = _longtail_name(name, s) + (f" (first {k} of 8 batches, time x {8 // k})" if k else "")
+            lines.append(_row(label, s["net_s"], s["useful_tok_s"], s["decode_steps"],
                               f"{s['occupancy']:.1%}", f"{s['wasted_row_step_share']:.1%}",
                               f"{static_s / s['net_s']:.2f}x", f"{theirs_s / s['net_s']:.2f}x", f"{other:.0f}"))
         lines += ["", f"Continuous at 64 slots over rljax static: **{ratio['continuous_vs_static']}x**; over "
