@@ -9,6 +9,7 @@
 from rljax.data.example import Example, normalize_question, question_key, verifier_metadata
 from rljax.data.filtering import GroupSelection, accuracy_band, dynamic_sample, informative_groups, refill
 from rljax.data.pipeline import PromptBatch, PromptData, index_batches, prompt_batches, shard_rows
+from rljax.data.resampling import ResampledBatch, ResampleSpend, RoundResampler, resample
 from rljax.data.selection import (POLICIES, GroupStats, SelectionPolicy, group_stats, make_policy,
                                   register_policy)
 from rljax.data.sources import (SOURCES, FieldMap, TaskSource, from_jsonl, from_parquet, from_reasoning_gym,
@@ -19,6 +20,7 @@ from rljax.data.templates import EncodedPrompts, PromptFormat, encode_prompts, p
 __all__ = [
     "Example", "normalize_question", "question_key", "verifier_metadata",
     "GroupSelection", "accuracy_band", "dynamic_sample", "informative_groups", "refill",
+    "ResampledBatch", "ResampleSpend", "RoundResampler", "resample",
     "POLICIES", "GroupStats", "SelectionPolicy", "group_stats", "make_policy", "register_policy",
     "PromptBatch", "PromptData", "index_batches", "prompt_batches", "shard_rows",
     "SOURCES", "FieldMap", "TaskSource", "from_jsonl", "from_parquet", "from_reasoning_gym", "from_tfds",
