@@ -45,7 +45,7 @@ def make_policy(name: str, **kwargs) -> "SelectionPolicy":
     if unknown:
         raise ConfigError(f"selection policy {name!r} has no option(s) {unknown}; "
                           f"its options are {', '.join(sorted(known)) or 'none'}")
-    return cls(**kwargs)
+    return cls(**{k: _freeze(v) for k, v in kwargs.items()})
 
 
 @dataclasses.dataclass(frozen=True)
