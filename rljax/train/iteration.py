@@ -17,6 +17,10 @@ Across processes both forms work unchanged: inputs are global arrays and the ver
 runs once, on the process that holds device 0, which sees every row (every process holds the
 same example table).
 
+`make_stages` compiles the two stages as separate programs on one device, for iterations the
+host steers between them (`rljax.train.batching`: DAPO resampling rounds, replay, a mixture's
+selection policy).
+
 Both return `(state, metrics, preview)`: the metrics of the two stages are merged with
 `merge_metrics`, which refuses a key both stages report (`rollout/...` covers every sampled row,
 `train/...` the rows the loss saw).
@@ -138,3 +142,23 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
         return state, merge_metrics(rollout_metrics, train_metrics, timings), preview
 
     return iteration
+
+
+def make_stages(controls: SampleControls, reward_callback: Callable, state: TrainState, *, num_prompts: int):
+    """`(sample, update)`, two jitted programs for a host-steered iteration on one device:
+    ``sample(params, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (RolloutBatch of
+    num_prompts * n rows, metrics, preview)`` and ``update(state, batch, key) -> (state,
+    metrics)`` (state donated). `key` is split as `make_iteration` splits it, so one round of
+    `num_prompts` = `num_groups` prompts reproduces the fused iteration."""
+    roll = _rollout_fn(controls, reward_callback, num_prompts, False)
+    cfg, needs = state.model_cfg, state.algo.needs
+
+    def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+        k_sample, _ = jax.random.split(key)
+        return roll(cfg, needs, params, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
+
+    def update_program(state, batch, key):
+        _, k_update = jax.random.split(key)
+        return update(state, batch, k_update)
+
+    return jax.jit(sample_program), jax.jit(update_program, donate_argnums=(0,))
