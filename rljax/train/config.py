@@ -181,6 +181,9 @@ class WarmStartSection:
     `target_accuracy` > 0 stops it early once greedy accuracy on `validation_size` training
     problems (not the held-out split) reaches the target, checked every `check_every` steps.
     `max_seconds` > 0 stops it after that wall time (used by the supervised-only control run).
+    `patience` > 0 stops it once that validation accuracy has not risen by `min_delta` in
+    `patience` checks: a task that cannot reach the target within the budget stops on the plateau
+    (`rljax.train.warm_start.stop_reason`).
     """
 
     steps: int = 0
@@ -191,6 +194,8 @@ class WarmStartSection:
     validation_size: int = 200
     check_every: int = 25
     max_seconds: float = 0.0  # > 0: also stop after this wall time (for equal-time SFT controls)
+    patience: int = 0
+    min_delta: float = 0.01
 
 
 @dataclasses.dataclass(frozen=True)

@@ -274,7 +274,7 @@ def warm_start(run: Run):
     if not cfg.warm_start.steps:
         return run.params
     params = run.params
-    if cfg.warm_start.target_accuracy:  # its validation runs the host-driven evaluator
+    if cfg.warm_start.target_accuracy or cfg.warm_start.patience:  # its validation runs the host-driven evaluator
         params = _eval_params(params, run)
     validation = EvalSetup.build(run.model_cfg, run.train_set[:cfg.warm_start.validation_size], run.tokenizer,
                                  run.fmt, run.reward_fn, run.controls, max_prompt_len=cfg.data.max_prompt_tokens,
