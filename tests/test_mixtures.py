@@ -162,6 +162,21 @@ def test_band_redraws_are_bounded_and_keep_matches_the_filter():
     assert all(int(i.split("/")[1]) % 2 for i in drawn.prompt_ids)
 
 
+def test_curriculum_gets_levels_and_families_from_the_sources_and_calibrates():
+    """`auto_curriculum` built from the sources knows each source's level and family (its task);
+    calibrated on pass rates (a: 0.95 at L1, 0.5 at L2; b: 0.05, 0.0) it starts a at L2 (inside
+    the band) and b at L1 (nothing in band or above), and draws only those tasks.
+    Catches: levels or families not passed to the policy, or calibrate not reaching its state."""
+    section = load_config(None, ["data.selection=auto_curriculum"]).data
+    sources = tuple(MixtureSource(name, _examples(name, 8), (), level=level, family=name[0])
+                    for name, level in (("a1", 1), ("a2", 2), ("b1", 1), ("b2", 2)))
+    policy = setup.build_selection(section, sources)
+    assert policy.levels == (1, 2, 1, 2) and policy.families == ("a", "a", "b", "b")
+    sampler = MixtureSampler(sources, policy, seed=0, tokenizer=TOK, fmt=PromptFormat(), max_prompt_len=8)
+    sampler.calibrate([0.95, 0.5, 0.05, 0.0])
+    assert set(sampler.draw(32).task_ids_b.tolist()) == {1, 2}
+
+
 def _stats(pass_rates, ids):
     from rljax.data.selection import GroupStats
 
@@ -197,8 +212,20 @@ class FakeSampler:
 
 
 class FakeState:
-    def sampler_params(self):
-        return None
+    pass
+
+
+class FakeStages:
+    """`Stages` with the fake sampler and a recording update."""
+
+    def __init__(self, fake, update_fn):
+        self.fake, self.update_fn = fake, update_fn
+
+    def sample(self, state, *args):
+        return self.fake(None, *args)
+
+    def update(self, state, batch, key):
+        return self.update_fn(state, batch, key)
 
 
 def _batcher(rewards_per_round, rounds, replay=None, fraction=0.0, num_groups=3, sources=None):
@@ -211,7 +238,7 @@ def _batcher(rewards_per_round, rounds, replay=None, fraction=0.0, num_groups=3,
     sources = sources or [MixtureSource("a", _examples("a", 30), ()), MixtureSource("b", _examples("b", 30), ())]
     sampler = MixtureSampler(sources, make_policy("uniform"), seed=0, tokenizer=TOK, fmt=PromptFormat(), max_prompt_len=WIDTH)
     fake = FakeSampler(rewards_per_round)
-    return HostBatcher(sampler, fake, update_fn, num_groups=num_groups, num_samples=N, rounds=rounds, replay=replay,
+    return HostBatcher(sampler, FakeStages(fake, update_fn), num_groups=num_groups, num_samples=N, rounds=rounds, replay=replay,
                        replay_fraction=fraction), seen, fake
 
 

@@ -16,7 +16,8 @@ all kept. The policy signal is the group-normalised advantage ``|A| = |r - mean_
 advantage), so a task's groups that the resampler dropped still tell the policy it is solved.
 
 It is its own module because the fused iteration (`rljax.train.iteration.make_iteration`) has
-no host in the middle; this is the path for everything that needs one, on one device.
+no host in the middle; this is the path for everything that needs one. With a trainer layout
+the stages are the split iteration's programs (`make_stages`), on one process.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import io
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rljax.data.mixture import MixtureSampler, task_metrics
@@ -96,16 +96,15 @@ def _round_metrics(per_round: list[dict]) -> dict[str, float]:
 class HostBatcher:
     """One host-steered iteration (module doc): `step(state, key) -> (state, metrics, preview)`."""
 
-    def __init__(self, sampler: MixtureSampler, sample_fn, update_fn, *, num_groups: int, num_samples: int,
+    def __init__(self, sampler: MixtureSampler, stages, *, num_groups: int, num_samples: int,
                  rounds: Rounds, replay: ReplayBuffer | None = None, replay_fraction: float = 0.0,
                  correct_threshold: float = 1.0):
-        self.sampler, self.sample_fn, self.update_fn = sampler, sample_fn, update_fn
+        self.sampler, self.stages = sampler, stages  # rljax.train.iteration.Stages
         self.num_groups, self.n, self.rounds = num_groups, num_samples, rounds
         self.replay, self.replay_fraction, self.correct_threshold = replay, replay_fraction, correct_threshold
         self.last_task_ids_g: np.ndarray | None = None  # the groups the update saw, for tests and logs
 
     def step(self, state, key) -> tuple[Any, dict[str, float], Any]:
-        params = state.sampler_params()
         rs = RoundResampler(num_groups=self.num_groups, round_size=self.rounds.round_size,
                             max_rounds=self.rounds.max_rounds) if self.rounds.filter else None
         batches, drawn_all, rollout_m, selection_m, preview = [], [], [], [], None
@@ -113,8 +112,8 @@ class HostBatcher:
             drawn = self.sampler.draw(self.rounds.round_size)
             p = drawn.prompts
             k_round = key if not batches else jax.random.fold_in(key, len(batches))
-            batch_r, metrics_r, preview_r = self.sample_fn(params, p.tokens_bt, p.mask_bt,
-                                                           p.indices_b.astype(np.int32), k_round)
+            batch_r, metrics_r, preview_r = self.stages.sample(state, p.tokens_bt, p.mask_bt,
+                                                               p.indices_b.astype(np.int32), k_round)
             batch_r = jax.device_get(batch_r)
             batches.append(batch_r)
             drawn_all.append(drawn)
@@ -144,7 +143,7 @@ class HostBatcher:
             self.replay.add(prompt_ids_g, fresh.tokens_bt, fresh.attn_mask_bt, fresh.loss_mask_bt,
                             fresh.sampler_logp_bt, fresh.rewards_b)
             replay_m = {**mixed.metrics, **self.replay.metrics()}
-        state, train_metrics = self.update_fn(state, jax.tree.map(jnp.asarray, batch), key)
+        state, train_metrics = self.stages.update(state, batch, key)
         self.sampler.observe(task_ids_s, group_stats(rewards_sn, host_advantages(rewards_sn), prompt_ids_s,
                                                      self.correct_threshold))
         self.last_task_ids_g = task_ids_s[indices_g]

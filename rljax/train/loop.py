@@ -147,7 +147,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
         else cfg.rl.prompts_per_iteration
     data = sampler = replay = None
     if cfg.host_batching:
-        _check_host_batching(cfg, trainer_layout, sampler_layout)
+        _check_host_batching(cfg)
         sources = setup.build_sources(cfg.data)
         train_set = setup.interleave(s.train for s in sources)
         held_out = tuple(e for s in sources for e in s.held_out[:cfg.eval.size])
@@ -290,8 +290,9 @@ def compile_iteration(run: Run, state: TrainState):
     if run.sampler is not None:
         callback = as_callback(run.reward_fn, run.tokenizer, run.sampler.table)  # grows with fresh questions
         rounds = Rounds.from_config(cfg.rl)
-        sample_fn, update_fn = make_stages(run.controls, callback, state, num_prompts=rounds.round_size)
-        batcher = HostBatcher(run.sampler, sample_fn, update_fn, num_groups=cfg.rl.prompts_per_iteration,
+        stages = make_stages(run.controls, callback, state, num_prompts=rounds.round_size,
+                             trainer=run.trainer_layout, sampler=run.sampler_layout)
+        batcher = HostBatcher(run.sampler, stages, num_groups=cfg.rl.prompts_per_iteration,
                               num_samples=cfg.sampling.num_samples, rounds=rounds, replay=run.replay,
                               replay_fraction=cfg.rl.replay.fraction)
         return batcher.step, callback
@@ -387,11 +388,12 @@ def _check_process_rows(layout: Layout, global_rows: int) -> None:
                           "axes (data x fsdp) a multiple of the process count")
 
 
-def _check_host_batching(cfg: TrainConfig, trainer_layout, sampler_layout) -> None:
-    """A host-steered iteration (mixture, resampling, replay) runs on one device for now."""
-    if jax.process_count() > 1 or trainer_layout is not None or sampler_layout is not None:
-        raise ConfigError("a mixture, selection policy, rl.resample_round_size or rl.replay runs on one device "
-                          "for now; set mesh.devices=1, or use a single source without resampling or replay")
+def _check_host_batching(cfg: TrainConfig) -> None:
+    """A host-steered iteration (mixture, resampling, replay) runs in one process for now: its
+    prompts are drawn on the host and placed whole on the mesh."""
+    if jax.process_count() > 1:
+        raise ConfigError("a mixture, selection policy, rl.resample_round_size or rl.replay runs in one process "
+                          "for now; use a single source without resampling or replay across processes")
 
 
 def _eval_params(params, run: Run):
