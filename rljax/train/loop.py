@@ -150,9 +150,9 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
         _check_host_batching(cfg)
         sources = setup.build_sources(cfg.data)
         train_set = setup.interleave(s.train for s in sources)
-        held_out = tuple(e for s in sources for e in s.held_out[:cfg.eval.size])
+        held_out = setup.eval_split(cfg, sources)
         skipped = 0
-        reward_fn = setup.build_reward(cfg.reward, setup.mixture_sections(cfg.data) if cfg.data.is_mixture else ())
+        reward_fn = setup.run_reward(cfg)
         sampler = MixtureSampler(sources, setup.build_selection(cfg.data, sources), seed=cfg.data.seed,
                                  tokenizer=tokenizer, fmt=fmt, max_prompt_len=cfg.data.max_prompt_tokens,
                                  add_bos=cfg.data.add_bos, max_redraws=cfg.data.band_max_redraws)

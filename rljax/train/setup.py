@@ -221,6 +221,20 @@ def build_reward(section: RewardSection, sources: tuple[SourceSection, ...] = ()
     return rewards.compose(**terms)
 
 
+def run_reward(cfg: TrainConfig) -> rewards.RewardFn:
+    """The run's reward: routed by task for a mixture, else the `[reward]` verifier."""
+    return build_reward(cfg.reward, mixture_sections(cfg.data) if cfg.data.is_mixture else ())
+
+
+def eval_split(cfg: TrainConfig, sources: tuple[MixtureSource, ...] | None = None) -> tuple[Example, ...]:
+    """The held-out problems a run evaluates on: the first `eval.size` of its split, or of each
+    source's split in a host-steered run (so every task is measured)."""
+    if not cfg.host_batching:
+        return build_splits(cfg.data)[1][:cfg.eval.size]
+    sources = build_sources(cfg.data) if sources is None else sources
+    return tuple(e for s in sources for e in s.held_out[:cfg.eval.size])
+
+
 def lora_summary(lora: LoraConfig, cfg: ModelConfig, params: Any) -> str:
     """One line: rank, scale, targets and the adapters' share of the model's parameters."""
     trained = sum(math.prod(a) + math.prod(b) for a, b in adapter_shapes(cfg, lora).values())
