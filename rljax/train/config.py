@@ -202,7 +202,9 @@ class WarmStartSection:
 class ReplaySection:
     """Replay of successful trajectories (`rljax.data.replay`; ARPO, RePO 2025); capacity 0: off.
     Successes of groups with pass rate < `max_pass_rate` are stored (at most `per_prompt` per
-    prompt); up to `fraction` of each batch's groups, those that all failed, get one back."""
+    prompt); up to `fraction` of each batch's groups, those that all failed, get one back.
+    Replay is keyed on the prompt, so it needs prompts that come back: a pool, not `fresh`
+    questions."""
 
     capacity: int = 0
     fraction: float = 0.25
