@@ -5,7 +5,7 @@ environments, the pooled batch step, SimpleTIR's void-turn filter and the author
 from rljax import envs
 env = envs.make_env("calculator", format="tags", max_turns=3)
 state, question = env.reset({"question": "123 * 456 =", "answer": "56088"})
-state, result = env.step(state, "<tool>123*456</tool>")   # result.observation_text == "<result>56088</result>"
+state, result = env.step(state, "<tool>123*456</tool>")   # observation "<result>56088</result>"
 state, result = env.step(state, "56088")                  # result.reward == 1.0, result.done
 ```
 

@@ -140,7 +140,8 @@ class ToolEnv:
         call = parsed.call
         tool = self._tool(call.name)
         if call.error:
-            return tool, ToolOutput(f"error: {call.error}", True, histories.get(tool.name, ()) if tool else ())
+            kept = histories.get(tool.name, ()) if tool else ()
+            return tool, ToolOutput(f"error: {call.error}", True, kept)
         if tool is None:
             known = ", ".join(t.name for t in self.tools)
             return None, ToolOutput(f"error: unknown tool {call.name!r}; tools: {known}", True, ())
