@@ -47,8 +47,11 @@ def test_tag_format_sorts_hand_written_turns(turn, kind, payload):
      "tool_call", "calculator", {"expression": "2*3"}, None),
     ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>',
      "tool_call", "calculator", {"expression": "1"}, None),   # arguments sent as a JSON string
+    ("<tool_call>\n{'arguments': {'code': 'x=1'}, 'name': 'python'}\n</tool_call>",
+     "tool_call", "python", {"code": "x=1"}, None),          # Hermes-2-Pro's single quotes
     ('<tool_call>\n{"name": "python", "arguments": {"code": "x"}\n</tool_call>',
      "tool_call", None, {}, "not valid JSON"),
+    ("<tool_call>\n__import__('os').system('true')\n</tool_call>", "tool_call", None, {}, "not valid JSON"),
     ('<tool_call>\n{"arguments": {"code": "x"}}\n</tool_call>', "tool_call", None, {}, "needs"),
     ('<tool_call>\n{"name": "python", "arguments": [1, 2]}\n</tool_call>',
      "tool_call", "python", {}, "JSON object"),
@@ -58,13 +61,15 @@ def test_tag_format_sorts_hand_written_turns(turn, kind, payload):
     ("I am not sure.<|im_end|>", "void", None, None, None),
 ])
 def test_json_formats_sort_calls_and_malformed_calls(fmt, turn, kind, name, arguments, error):
-    """Complete calls parse to name and arguments in either key order; malformed JSON, a missing
-    name or non-object arguments give a call carrying an error (an error observation, never an
-    exception); a cut-off call and text without an answer are void.
+    """Complete calls parse to name and arguments in either key order, as JSON or as a Python
+    dict literal (Hermes-2-Pro's single quotes); malformed bodies, a missing name or non-object
+    arguments give a call carrying an error (an error observation, never an exception); a cut-off
+    call and text without an answer are void.
 
     Catches: json.loads errors escaping the parser, a parser that drops the call on bad JSON
     (making it void instead of a tool error the model can read), one that requires "name" first,
-    and answer extraction that sees "<|im_end|>" as part of the last line."""
+    a literal fallback that evaluates code (eval would run the os.system call), and answer
+    extraction that sees "<|im_end|>" as part of the last line."""
     parsed = fmt.parse(turn, CHAT_METHODS)
     assert parsed.kind == kind
     if kind == "tool_call":

@@ -6,8 +6,8 @@ A turn is what the model wrote since the last observation; the sampler stops it 
 `ToolFormat.parse` sorts it, in this order:
 
 1. a complete call (open tag ... close tag) -> ``"tool_call"``; a call whose body is not a valid
-   call (bad JSON, no ``name``) is still a call, carrying ``error``, so the model gets an error
-   observation it can learn from;
+   call (neither JSON nor a Python dict literal, no ``name``) is still a call, carrying ``error``,
+   so the model gets an error observation it can learn from;
 2. an open tag with no close tag (the model ran out of budget mid-call) -> ``"void"``;
 3. an answer found by `rljax.rewards.extract_answer` with the task's methods -> ``"answer"``;
 4. anything else -> ``"void"``: SimpleTIR's void turn (Xue et al., 2025), neither a complete tool
@@ -30,6 +30,7 @@ next one (``<|im_start|>assistant``): those tokens are the environment's, so the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from typing import Any, Literal, Mapping
@@ -117,7 +118,9 @@ class ToolFormat:
         try:
             obj = json.loads(body)
         except ValueError as e:
-            return ToolCall(None, {}, f"the tool call is not valid JSON ({e})")
+            obj = _python_literal(body)
+            if obj is None:
+                return ToolCall(None, {}, f"the tool call is not valid JSON ({e})")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return ToolCall(None, {}, 'the tool call needs {"name": ..., "arguments": {...}}')
         args = obj.get("arguments", {})
@@ -142,6 +145,16 @@ class ToolFormat:
         if self.wrap_name:
             output = json.dumps({"name": tool_name, "content": output}, ensure_ascii=False)
         return f"{self.observation_prefix}{output}{self.observation_suffix}"
+
+
+def _python_literal(body: str) -> dict | None:
+    """A call written as a Python dict literal (Hermes-2-Pro's own examples use single quotes);
+    `ast.literal_eval` builds only literals, never calls anything."""
+    try:
+        obj = ast.literal_eval(body.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 FORMATS: dict[str, ToolFormat] = {
