@@ -374,3 +374,27 @@ def test_env_tokens_get_exactly_zero_gradient():
             grad = np.asarray(jax.grad(objective)(logp))
             assert np.all(grad[not_model] == 0.0), (loss_name, mode)
             assert np.any(grad[~not_model] != 0.0), (loss_name, mode)
+
+
+def test_run_episode_transcript_and_authors():
+    """A scripted policy plays the calculator episode; the transcript joins prompt, model turns and
+    observations in order, and per-segment encoding gives each character its author, so the loss
+    mask covers exactly the model's text and turn_index finds its two turns.
+
+    Catches: observations credited to the model (the mask would cover "<result>"), segments out
+    of order, and an episode loop that does not stop at done."""
+    env = envs.make_env("calculator", max_turns=4)
+
+    def policy(text):
+        return "<tool>141*365</tool>" if "<result>" not in text else text.rsplit("<result>", 1)[1][:-9]
+
+    episode = envs.run_episode(env, {"question": "141 * 365 =", "answer": "51465"}, policy)
+    assert episode.transcript.text == "141 * 365 =<tool>141*365</tool><result>51465</result>51465"
+    assert episode.actions == ("<tool>141*365</tool>", "51465") and episode.total_reward == 1.0
+    ids, authors = envs.encode_transcript(episode.transcript, lambda s: [ord(c) for c in s])
+    assert "".join(map(chr, ids)) == episode.transcript.text
+    model_text = episode.transcript.by(MODEL)
+    assert "".join(chr(i) for i, a in zip(ids, authors) if envs.loss_mask(np.asarray(a)) == 1) == model_text
+    model_b, env_b = envs.tokens_by_author(authors[None])
+    assert (int(model_b[0]), int(env_b[0])) == (len(model_text), len("<result>51465</result>"))
+    assert envs.turn_index(authors[None]).max() == 1

@@ -23,6 +23,7 @@ from rljax.envs.runner import StepBatch, reset_batch, step_batch
 from rljax.envs.tool_env import (ToolEnv, ToolEpisode, calculator_env, python_env,
                                  reasoning_gym_tool_env)
 from rljax.envs.tools import Calculator, PythonTool, Tool, ToolOutput
+from rljax.envs.transcript import Episode, Transcript, encode_transcript, run_episode
 
 __all__ = [
     "ENVIRONMENTS", "Environment", "StepResult", "make_env", "register_env",
@@ -33,4 +34,5 @@ __all__ = [
     "StepBatch", "reset_batch", "step_batch",
     "ToolEnv", "ToolEpisode", "calculator_env", "python_env", "reasoning_gym_tool_env",
     "Calculator", "PythonTool", "Tool", "ToolOutput",
+    "Episode", "Transcript", "encode_transcript", "run_episode",
 ]
