@@ -34,7 +34,8 @@ class StepResult:
     reward: this turn's reward: the per-turn reward, plus the answer's score on an answer turn.
     done: the episode ended (an answer, a void turn, or the turn limit).
     kind: how the turn was read: "tool_call", "answer" or "void".
-    tool_error: the tool call failed (bad call, refused, crashed, hung, flooded, or killed by the pool).
+    tool_error: the tool call failed (a bad call, a refusal, a crash, a hang, a flood), or the step
+      itself failed in the pool (then ``info["flag"]`` is the pool's "error" or "timeout").
     info: details for logs (the tool's name, the extracted answer, the pool's flag...).
     """
 

@@ -210,11 +210,10 @@ class PythonTool:
         out = out if found else ""
         if run.flag == "output_limit":
             return ToolOutput(self._cut(out, force=True), True, history)
-        if run.flag is not None:
-            limit = (f"{self.limits.cpu_s} s of CPU" if "signal" in run.flag
-                     else f"{min(self.limits.wall_s, self.limits.total_s):g} s")
-            return ToolOutput(self._cut(out) + f"error: the cell was stopped ({run.flag}; limit {limit})",
-                              True, history)
+        if run.flag is not None:  # out of time (wall clock, or CPU: killed by a signal)
+            wall = min(self.limits.wall_s, self.limits.total_s)
+            return ToolOutput(self._cut(out) + f"error: the cell was stopped ({run.flag}; limits "
+                              f"{self.limits.cpu_s} s CPU, {wall:g} s wall)", True, history)
         if not found:  # the replay itself died before the new cell started
             return ToolOutput("error: the earlier cells could not be run again", True, history)
         if run.returncode != 0:
