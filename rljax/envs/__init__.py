@@ -16,7 +16,7 @@ from rljax.envs.base import ENVIRONMENTS, Environment, StepResult, make_env, reg
 from rljax.envs.formats import (FORMATS, TURN_KINDS, ParsedTurn, ToolCall, ToolFormat, TurnKind,
                                 get_format)
 from rljax.envs.masks import (ENV, MODEL, PAD, PROMPT, author_row, discounted_turn_returns, loss_mask,
-                              tokens_by_author, turn_index)
+                              tokens_by_author, turn_index, turn_values_to_tokens)
 from rljax.envs.metrics import (EpisodeStats, episode_metrics, episode_stats, trajectory_has_void_turn,
                                 void_turn_keep)
 from rljax.envs.runner import StepBatch, reset_batch, step_batch
@@ -29,7 +29,7 @@ __all__ = [
     "ENVIRONMENTS", "Environment", "StepResult", "make_env", "register_env",
     "FORMATS", "TURN_KINDS", "ParsedTurn", "ToolCall", "ToolFormat", "TurnKind", "get_format",
     "ENV", "MODEL", "PAD", "PROMPT", "author_row", "discounted_turn_returns", "loss_mask",
-    "tokens_by_author", "turn_index",
+    "tokens_by_author", "turn_index", "turn_values_to_tokens",
     "EpisodeStats", "episode_metrics", "episode_stats", "trajectory_has_void_turn", "void_turn_keep",
     "StepBatch", "reset_batch", "step_batch",
     "ToolEnv", "ToolEpisode", "calculator_env", "python_env", "reasoning_gym_tool_env",

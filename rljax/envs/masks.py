@@ -58,7 +58,7 @@ def discounted_turn_returns(turn_rewards_bk: Any, gamma: float) -> Any:
     """G_k = sum_{j >= k} gamma^(j - k) r_j over each row's turns (k = 0..K-1), for turn-level
     credit (ArCHer, Zhou et al., 2024: a turn is credited with the rewards that follow it).
 
-    Broadcast to tokens with ``take_along_axis(G_bk, max(turn_bt, 0))`` masked by `loss_mask`.
+    `turn_values_to_tokens` spreads them over each turn's tokens.
     """
     xp = turn_rewards_bk.__array_namespace__()
     k = turn_rewards_bk.shape[-1]
@@ -67,3 +67,12 @@ def discounted_turn_returns(turn_rewards_bk: Any, gamma: float) -> Any:
     gamma_ = xp.asarray(gamma, dtype=turn_rewards_bk.dtype)
     weights_kj = xp.where(power >= 0, gamma_ ** xp.maximum(power, 0), 0)
     return turn_rewards_bk @ weights_kj.T
+
+
+def turn_values_to_tokens(values_bk: Any, turn_bt: Any) -> Any:
+    """values_bt: each model token gets its turn's value (``values_bk[b, turn_bt[b, t]]``), every
+    other token 0; ``turn_bt`` from `turn_index`. Turns past K (``turn_bt >= K``) are an error in
+    NumPy and clamp under jit, so size K to the turn limit."""
+    xp = values_bk.__array_namespace__()
+    picked = xp.take_along_axis(values_bk, xp.maximum(turn_bt, 0), axis=-1)
+    return xp.where(turn_bt >= 0, picked, xp.zeros_like(picked))
