@@ -147,18 +147,24 @@ def test_scripted_calculator_episodes_have_the_expected_transcripts_and_authors(
     score; a 22-token observation is cut to the 20-token cap with the marker; counts add up.
 
     Catches: observations credited to the model or written at the wrong column, a turn that does
-    not stop at "</tool>", a host that steps rows that did not stop, turn rewards in the wrong
-    slot, and a cap applied without its marker."""
+    not stop at "</tool>", a host that steps rows that did not stop, turn indices or turn
+    rewards in the wrong slot, and a cap applied without its marker."""
     e, host = calculator_episodes
     for r in (0, 1):
         assert _text(e, r) == _joined(r), r
         n = int(e.lengths_b[r])
         expected = [a for a, text in ROWS[r][2] for _ in TOK.encode(text)]
         assert e.author_bn[r, :n].tolist() == expected, r
+        turns = np.cumsum([a == MODEL and (i == 0 or ROWS[r][2][i - 1][0] == ENV)
+                           for i, (a, _) in enumerate(ROWS[r][2])]) - 1
+        assert e.turn_bn[r, :n].tolist() == [k for k, (_, text) in zip(turns, ROWS[r][2]) for _ in TOK.encode(text)]
+        np.testing.assert_array_equal(envs.turn_index(e.author_bn[r, :n]) == e.turn_bn[r, :n],
+                                      e.author_bn[r, :n] == MODEL)  # model tokens: rljax.envs.turn_index
         assert np.all(e.author_bn[r, n:] == PAD)
     assert e.turns_b[:2].tolist() == [3, 2] and e.tool_calls_b[:2].tolist() == [2, 1]
     assert e.rewards_b[:2].tolist() == [1.0, 0.0] and e.turn_rewards_bk[0].tolist() == [0.0, 0.0, 1.0]
-    assert e.finish_b[:2].tolist() == [MT.FINISH_ENV] * 2
+    assert e.finish_b[:2].tolist() == [MT.FINISH_ENV] * 2 and e.finish_b[7] == MT.FINISH_ENV
+    assert e.lengths_b[3] < OPTIONS.max_episode_tokens or e.finish_b[3] == MT.FINISH_BUDGET
     assert host.last.actions[0] == ["<tool>2*3</tool>", "<tool>6+1</tool>", "7"]
     assert host.last.results[1][0].observation_text == "<result>56088</result>"  # the env's text, uncut
     assert _text(e, 2).startswith("<tool>7*8</tool><result>56</result>")

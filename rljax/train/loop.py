@@ -12,6 +12,9 @@
 
 With `mesh.sampler = "tensor"` the iteration is two programs instead (sampler layout, then
 trainer layout) with an on-device weight sync before them, timed as `time/weight_sync_s`.
+With an `[env]` section the rollout is multi-turn episodes with a tool (`rljax.train.episodes`:
+the environment stepped from inside the decode loop), still one program, and the held-out
+accuracy is that of greedy episodes.
 In a multi-process run (`rljax.sharding.initialize`) every process runs this same loop on its
 rows of each global batch; process 0 writes metrics, and checkpoints are written collectively.
 
@@ -35,10 +38,11 @@ from rljax.data.pipeline import PromptData, prompt_batches, shard_rows
 from rljax.errors import CheckpointError, ConfigError
 from rljax.evaluation.runner import EvalSetup, greedy_accuracy
 from rljax.rewards import as_callback
-from rljax.sampling import SampleControls
+from rljax.envs import get_format
+from rljax.sampling import SampleControls, multiturn
 from rljax.sharding import Layout, abstract_like, global_batch, process_rows
 from rljax.storage import check_writable
-from rljax.train import setup
+from rljax.train import episodes, setup
 from rljax.train.config import TrainConfig
 from rljax.train.iteration import make_iteration, make_split_iteration
 from rljax.train.metrics_writer import MetricsWriter, SampleRecord, plot_curves
@@ -81,6 +85,7 @@ class Run:
     writer: MetricsWriter
     ckpt: Checkpointer
     log: Callable[[str], None]
+    env: Any = None  # the `[env]` section's environment (multi-turn episodes), or None
 
 
 def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
@@ -107,7 +112,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
         last = step == cfg.rl.iterations
         if step % cfg.eval.every == 0 or last:
             policy = _eval_params(state.sampler_params(), run)
-            accuracy = metrics["eval/accuracy"] = greedy_accuracy(run.evaluator, policy)
+            accuracy = metrics["eval/accuracy"] = held_out_accuracy(run, policy)
         run.writer.write(step, metrics)
         if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
             run.writer.write_samples(step, preview_samples(run, preview))
@@ -154,7 +159,8 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                         best_metric=cfg.checkpoint.best_metric)
-    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop},
+    env = setup.build_env(cfg.env) if cfg.env.enabled else None
+    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env,
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
                model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
                reward_fn=reward_fn, data=data,
@@ -196,7 +202,7 @@ def initial_state(run: Run, *, resume: bool):
         run.log(f"no checkpoint in {run.ckpt.directory}; starting from scratch")
     params = warm_start(run)
     state = new_train_state(run, params)
-    accuracy = greedy_accuracy(run.evaluator, _eval_params(state.sampler_params(), run))
+    accuracy = held_out_accuracy(run, _eval_params(state.sampler_params(), run))
     run.log(f"held-out greedy accuracy before RL: {accuracy:.3f}")
     row = {"step": 0, "eval/accuracy": accuracy, "eval/prompts_too_long": run.evaluator.num_too_long}
     run.writer.write(0, row)
@@ -234,6 +240,14 @@ def compile_iteration(run: Run, state: TrainState):
     """The iteration program(s) and the verifier callback they call (its host time is read per step).
     Shapes are global: `prompts_per_iteration` groups from `num_prompts` prompts over all processes."""
     cfg = run.cfg
+    if run.env is not None:  # multi-turn episodes: the env's host side is the callback
+        host = episodes.EpisodeHost(run.env, run.tokenizer, run.data.examples,
+                                    max_observation_tokens=cfg.env.max_observation_tokens,
+                                    truncation_marker=cfg.env.truncation_marker)
+        iteration = episodes.make_episode_iteration(episode_controls(run), host,
+                                                    episodes.EpisodeOptions.from_section(cfg.env),
+                                                    layout=run.trainer_layout)
+        return iteration, host
     callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
     common = dict(num_groups=cfg.rl.prompts_per_iteration, dynamic_sampling=cfg.rl.dynamic_sampling)
     if run.sampler_layout is not None:
@@ -245,6 +259,21 @@ def compile_iteration(run: Run, state: TrainState):
     if prompt_layout is not None:
         _check_process_rows(prompt_layout, run.num_prompts)
     return iteration, callback
+
+
+def episode_controls(run: Run) -> SampleControls:
+    """The run's controls with the env format's tool-call end as a stop sequence."""
+    fmt = get_format(run.cfg.env.format)
+    return multiturn.episode_controls(run.controls, run.tokenizer.encode(fmt.stop_sequence))
+
+
+def held_out_accuracy(run: Run, params) -> float:
+    """Greedy accuracy on the held-out split: single completions, or greedy episodes with the
+    env's tool when the run has an `[env]`."""
+    if run.env is None:
+        return greedy_accuracy(run.evaluator, params)
+    return episodes.episode_accuracy(run.evaluator, params, run.env, episodes.EpisodeOptions.from_section(run.cfg.env),
+                                     episode_controls(run))
 
 
 # ----------------------------------------------------------------------------- the steps

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from rljax import rewards
+from rljax import envs, rewards
 from rljax.data.example import Example
 from rljax.data.sources import load_task
 from rljax.data.splits import drop_overlap, heldout_split
@@ -21,7 +21,7 @@ from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
 from rljax.sharding import Layout
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
-from rljax.train.config import DataSection, MeshSection, ModelSection, RewardSection, TrainConfig
+from rljax.train.config import DataSection, EnvSection, MeshSection, ModelSection, RewardSection, TrainConfig
 
 CHARS_PREFIX = "chars:"
 
@@ -132,6 +132,12 @@ def build_reward(section: RewardSection) -> rewards.RewardFn:
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
     return rewards.compose(**terms)
+
+
+def build_env(section: EnvSection) -> envs.Environment:
+    """The `[env]` section's environment (`rljax.envs.make_env`): its format and turn limit, plus
+    the section's `options` for the factory."""
+    return envs.make_env(section.name, format=section.format, max_turns=section.max_turns, **section.options)
 
 
 def lora_summary(lora: LoraConfig, cfg: ModelConfig, params: Any) -> str:
