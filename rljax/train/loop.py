@@ -47,6 +47,7 @@ from rljax.train.config import TrainConfig
 from rljax.train.iteration import make_iteration, make_split_iteration
 from rljax.train.metrics_writer import MetricsWriter, SampleRecord, plot_curves
 from rljax.train.progress import Progress
+from rljax.train.tool_warm_start import run_tool_warm_start
 from rljax.train.warm_start import run_warm_start
 from rljax.update import TrainState, init_train_state, reset_reference
 
@@ -232,6 +233,12 @@ def warm_start(run: Run):
     validation = EvalSetup.build(run.model_cfg, run.train_set[:cfg.warm_start.validation_size], run.tokenizer,
                                  run.fmt, run.reward_fn, run.controls, max_prompt_len=cfg.data.max_prompt_tokens,
                                  add_bos=cfg.data.add_bos)
+    if run.env is not None:  # scripted tool-use episodes; validated by greedy episodes
+        options = episodes.EpisodeOptions.from_section(cfg.env)
+        controls = episode_controls(run)
+        accuracy = lambda p: episodes.episode_accuracy(validation, p, run.env, options, controls)  # noqa: E731
+        return run_tool_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.env,
+                                   run.keys["warm"], accuracy=accuracy, log=run.log)
     return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.keys["warm"],
                           validation=validation, log=run.log)
 
