@@ -275,3 +275,29 @@ def test_batch_masks_env_tokens_out_of_the_loss_and_its_denominator(model, calcu
     advantages = np.asarray(prepared.advantages_bt)
     assert np.all(advantages[~loss_mask] == 0.0)
     assert np.count_nonzero(grad[loss_mask]) == np.count_nonzero(advantages[loss_mask]) > 0
+
+
+def test_one_fused_iteration_trains_on_episodes(model):
+    """`make_episode_iteration` runs episodes and the update as one program: the params move, and
+    the rollout metrics agree with what the host saw (turns, tool calls and void trajectories per
+    episode, from its step results).
+
+    Catches: a rollout that never reaches the update (params unchanged), metrics computed on
+    other rows than the host stepped, and metric names clashing with the update's."""
+    from rljax.train.episodes import make_episode_iteration
+
+    params, _, _ = model
+    host = calculator_host()
+    algo = AlgorithmConfig(algorithm="grpo")
+    state = init_train_state(CFG, jax.tree.map(jnp.copy, params), algo, OptimConfig(learning_rate=1e-2))
+    controls = CONTROLS.replace(num_samples=2)
+    iteration = make_episode_iteration(controls, host, OPTIONS)
+    before = np.asarray(state.params["embed"]).copy()
+    state, metrics, _ = iteration(state, PROMPT_TOKENS, PROMPT_MASK, INDEX, jax.random.key(3))
+    assert not np.array_equal(np.asarray(state.params["embed"]), before)
+    results = host.last.results
+    assert len(results) == 2 * len(ROWS)
+    assert float(metrics["rollout/turns_per_episode"]) == np.mean([len(r) for r in results])
+    assert float(metrics["rollout/tool_calls_per_episode"]) == np.mean(
+        [sum(x.kind == "tool_call" for x in r) for r in results])
+    assert int(metrics["rollout/void_filtered"]) == sum(any(x.kind == "void" for x in r) for r in results) > 0
