@@ -9,6 +9,8 @@ through `SwitchHost`, so no test compiles the program again.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +27,7 @@ from rljax.rewards.pool import VerifierPool
 from rljax.sampling import SampleControls
 from rljax.sampling import multiturn as MT
 from rljax.tokenizers.char import CharTokenizer
-from rljax.train.episodes import EpisodeHost, EpisodeOptions, episode_metrics, episodes_to_batch
+from rljax.train.episodes import EpisodeHost, EpisodeOptions, episode_metrics, episodes_to_batch, turn_returns
 from rljax.update import init_train_state, prepare_batch
 from rljax.update.loss import aggregation_denominator
 
@@ -239,8 +241,12 @@ def test_batch_masks_env_tokens_out_of_the_loss_and_its_denominator(model, calcu
     and dropped token and nonzero on kept model tokens, and the token-mean denominator is the
     kept model-token count (NumPy).
 
+    The discounted option: gamma = 0.5 makes a 3-turn episode's reward 0.25, and each model
+    token's turn return gamma^(2 - turn).
+
     Catches: env tokens in the loss mask or the denominator, a void filter that drops the wrong
-    rows or none, and batch columns misaligned with the sampler's log-probs."""
+    rows or none, batch columns misaligned with the sampler's log-probs, and a discount applied
+    from the wrong end of the episode."""
     from rljax.objectives import POLICY_LOSSES, aggregate
 
     params, _, _ = model
@@ -254,6 +260,12 @@ def test_batch_masks_env_tokens_out_of_the_loss_and_its_denominator(model, calcu
     loss_mask = np.asarray(out.batch.loss_mask_bt)
     np.testing.assert_array_equal(loss_mask, np.concatenate([np.zeros_like(PROMPT_MASK), keep_model], 1))
     np.testing.assert_array_equal(np.asarray(out.batch.sampler_logp_bt)[:, P:], np.asarray(e.logprobs_bn))
+    discounted = episodes_to_batch(jnp.asarray(PROMPT_TOKENS), jnp.asarray(PROMPT_MASK), e, num_samples=1,
+                                   options=dataclasses.replace(OPTIONS, turn_discount=0.5))
+    assert float(discounted.batch.rewards_b[0]) == 0.25  # the answer on turn 3: 0.5^2 * 1
+    returns = np.asarray(turn_returns(e, 0.5))[0]
+    model0 = author[0] == MODEL
+    np.testing.assert_array_equal(returns[model0], 0.5 ** (2 - np.asarray(e.turn_bn)[0][model0]))
     metrics = episode_metrics(out)
     assert int(metrics["rollout/void_filtered"]) == void.sum()
     assert int(metrics["rollout/env_tokens"]) == (author == ENV).sum()
