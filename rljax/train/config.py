@@ -330,6 +330,42 @@ class PlanSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """Multi-turn episodes with a tool (`rljax.envs`; the rollout is `rljax.train.episodes`).
+
+    Unset `name` (the default) keeps single-turn rollouts. `name` picks a registered environment
+    (calculator, python, reasoning_gym_tool), `format` its tool-call format (tags, qwen, hermes);
+    `options` are further keyword arguments of the environment's factory. `max_episode_tokens` is
+    the per-episode token budget (model and environment tokens together; `sampling.max_new_tokens`
+    does not apply), `max_observation_tokens` the cap on one observation (cut with
+    `truncation_marker`, which the tokenizer must spell). `void_turn_filter` drops trajectories
+    with a void turn from the loss (SimpleTIR); `turn_discount` is gamma of the episode return
+    sum_k gamma^k r_k over its turns (1: the plain sum).
+    """
+
+    name: str | None = None
+    format: str = "tags"
+    max_turns: int = 3
+    max_episode_tokens: int = 64
+    max_observation_tokens: int = 16
+    truncation_marker: str = "..."
+    void_turn_filter: bool = True
+    turn_discount: float = 1.0
+    options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_episode_tokens", "max_observation_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"env.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.turn_discount <= 1.0:
+            raise ConfigError(f"env.turn_discount must be in (0, 1], got {self.turn_discount}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run. `seed` drives init, sampling and shuffling; the same seed and config on the
     same hardware give the same result."""
@@ -355,6 +391,8 @@ class TrainConfig:
     plan: PlanSection = PlanSection()
     # Low-rank adapters on the frozen policy (`rljax.lora`); rank 0, the default, trains every weight.
     lora: LoraConfig = LoraConfig()
+    # Multi-turn episodes with a tool; unset, rollouts are single completions.
+    env: EnvSection = EnvSection()
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples
@@ -368,6 +406,12 @@ class TrainConfig:
                                             and self.algorithm.off_policy in ("tis", "mis")):
             raise ConfigError("rl.replay mixes off-policy rows: set algorithm.recompute_old_logp=true and "
                               "algorithm.off_policy='tis' (or 'mis')")
+        if self.env.enabled and (self.rl.dynamic_sampling or self.mesh.sampler != "shared"):
+            raise ConfigError("env: multi-turn rollouts run in the fused iteration without dynamic sampling; set "
+                              "rl.dynamic_sampling=false and mesh.sampler=\"shared\"")
+        if self.env.enabled and self.host_batching:
+            raise ConfigError("env: multi-turn rollouts do not combine with a mixture, resampling or replay yet; "
+                              "remove [[data.sources]]/data.selection, rl.resample_round_size and rl.replay, or [env]")
         if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
                               f"update.num_minibatches * num_microbatches = {self.update.chunks}")

@@ -16,6 +16,9 @@ one device); its data state (selection, streams, replay) is checkpointed like th
 
 With `mesh.sampler = "tensor"` the iteration is two programs instead (sampler layout, then
 trainer layout) with an on-device weight sync before them, timed as `time/weight_sync_s`.
+With an `[env]` section the rollout is multi-turn episodes with a tool (`rljax.train.episodes`:
+the environment stepped from inside the decode loop), still one program, and the held-out
+accuracy is that of greedy episodes.
 In a multi-process run (`rljax.sharding.initialize`) every process runs this same loop on its
 rows of each global batch; process 0 writes metrics, and checkpoints are written collectively.
 
@@ -41,15 +44,17 @@ from rljax.data.replay import ReplayBuffer
 from rljax.errors import CheckpointError, ConfigError
 from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_accuracy, greedy_solved
 from rljax.rewards import as_callback
-from rljax.sampling import SampleControls
+from rljax.envs import get_format
+from rljax.sampling import SampleControls, multiturn
 from rljax.sharding import Layout, abstract_like, global_batch, process_rows
 from rljax.storage import check_writable
-from rljax.train import setup
+from rljax.train import episodes, setup
 from rljax.train.config import TrainConfig
 from rljax.train.batching import HostBatcher, HostDataState, Rounds
 from rljax.train.iteration import make_iteration, make_split_iteration, make_stages
 from rljax.train.metrics_writer import MetricsWriter, SampleRecord, plot_curves
 from rljax.train.progress import Progress
+from rljax.train.tool_warm_start import run_tool_warm_start
 from rljax.train.warm_start import run_warm_start
 from rljax.update import TrainState, init_train_state, reset_reference
 
@@ -90,6 +95,7 @@ class Run:
     writer: MetricsWriter
     ckpt: Checkpointer
     log: Callable[[str], None]
+    env: Any = None  # the `[env]` section's environment (multi-turn episodes), or None
 
 
 def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
@@ -182,7 +188,8 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                         best_metric=cfg.checkpoint.best_metric)
-    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop},
+    env = setup.build_env(cfg.env) if cfg.env.enabled else None
+    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env,
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
                model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
                reward_fn=reward_fn, data=data, sampler=sampler, replay=replay,
@@ -245,7 +252,10 @@ def restore(run: Run, data_iter) -> tuple[TrainState, int]:
 
 
 def evaluate(run: Run, state: TrainState) -> dict[str, float]:
-    """Greedy held-out accuracy, and per task for a mixture (`eval/{task}/accuracy`)."""
+    """Greedy held-out accuracy, and per task for a mixture (`eval/{task}/accuracy`); with an
+    `[env]`, the accuracy of greedy episodes with the env's tool (`held_out_accuracy`)."""
+    if run.env is not None:
+        return {"eval/accuracy": held_out_accuracy(run, _eval_params(state.sampler_params(), run))}
     solved = greedy_solved(run.evaluator, _eval_params(state.sampler_params(), run))
     out = {"eval/accuracy": float(np.mean(solved)) if solved.size else float("nan")}
     out.update({f"eval/{task}/accuracy": acc for task, acc in accuracy_by_task(run.evaluator, solved).items()})
@@ -279,6 +289,12 @@ def warm_start(run: Run):
     validation = EvalSetup.build(run.model_cfg, run.train_set[:cfg.warm_start.validation_size], run.tokenizer,
                                  run.fmt, run.reward_fn, run.controls, max_prompt_len=cfg.data.max_prompt_tokens,
                                  add_bos=cfg.data.add_bos)
+    if run.env is not None:  # scripted tool-use episodes; validated by greedy episodes
+        options = episodes.EpisodeOptions.from_section(cfg.env)
+        controls = episode_controls(run)
+        accuracy = lambda p: episodes.episode_accuracy(validation, p, run.env, options, controls)  # noqa: E731
+        return run_tool_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.env,
+                                   run.keys["warm"], accuracy=accuracy, log=run.log)
     return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.keys["warm"],
                           validation=validation, log=run.log)
 
@@ -287,6 +303,14 @@ def compile_iteration(run: Run, state: TrainState):
     """The iteration program(s) and the verifier callback they call (its host time is read per step).
     Shapes are global: `prompts_per_iteration` groups from `num_prompts` prompts over all processes."""
     cfg = run.cfg
+    if run.env is not None:  # multi-turn episodes: the env's host side is the callback
+        host = episodes.EpisodeHost(run.env, run.tokenizer, run.data.examples,
+                                    max_observation_tokens=cfg.env.max_observation_tokens,
+                                    truncation_marker=cfg.env.truncation_marker)
+        iteration = episodes.make_episode_iteration(episode_controls(run), host,
+                                                    episodes.EpisodeOptions.from_section(cfg.env),
+                                                    layout=run.trainer_layout)
+        return iteration, host
     if run.sampler is not None:
         callback = as_callback(run.reward_fn, run.tokenizer, run.sampler.table)  # grows with fresh questions
         rounds = Rounds.from_config(cfg.rl)
@@ -307,6 +331,21 @@ def compile_iteration(run: Run, state: TrainState):
     if prompt_layout is not None:
         _check_process_rows(prompt_layout, run.num_prompts)
     return iteration, callback
+
+
+def episode_controls(run: Run) -> SampleControls:
+    """The run's controls with the env format's tool-call end as a stop sequence."""
+    fmt = get_format(run.cfg.env.format)
+    return multiturn.episode_controls(run.controls, run.tokenizer.encode(fmt.stop_sequence))
+
+
+def held_out_accuracy(run: Run, params) -> float:
+    """Greedy accuracy on the held-out split: single completions, or greedy episodes with the
+    env's tool when the run has an `[env]`."""
+    if run.env is None:
+        return greedy_accuracy(run.evaluator, params)
+    return episodes.episode_accuracy(run.evaluator, params, run.env, episodes.EpisodeOptions.from_section(run.cfg.env),
+                                     episode_controls(run))
 
 
 # ----------------------------------------------------------------------------- the steps

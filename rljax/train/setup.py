@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from rljax import rewards
+from rljax import envs, rewards
 from rljax.data.example import Example
 from rljax.data.mixture import MixtureSource
 from rljax.data.selection import make_policy
@@ -24,7 +24,8 @@ from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
 from rljax.sharding import Layout
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
-from rljax.train.config import DataSection, MeshSection, ModelSection, RewardSection, SourceSection, TrainConfig
+from rljax.train.config import (DataSection, EnvSection, MeshSection, ModelSection, RewardSection, SourceSection,
+                                TrainConfig)
 
 CHARS_PREFIX = "chars:"
 
@@ -233,6 +234,12 @@ def eval_split(cfg: TrainConfig, sources: tuple[MixtureSource, ...] | None = Non
         return build_splits(cfg.data)[1][:cfg.eval.size]
     sources = build_sources(cfg.data) if sources is None else sources
     return tuple(e for s in sources for e in s.held_out[:cfg.eval.size])
+
+
+def build_env(section: EnvSection) -> envs.Environment:
+    """The `[env]` section's environment (`rljax.envs.make_env`): its format and turn limit, plus
+    the section's `options` for the factory."""
+    return envs.make_env(section.name, format=section.format, max_turns=section.max_turns, **section.options)
 
 
 def lora_summary(lora: LoraConfig, cfg: ModelConfig, params: Any) -> str:
