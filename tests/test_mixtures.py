@@ -331,11 +331,13 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "rl.iterations=4"]
 
 
-def test_resumed_mixture_makes_the_same_selections(tmp_path):
+def test_resumed_mixture_makes_the_same_selections(tmp_path, capsys):
     """A 4-iteration mixture run (Thompson bandit, a fresh source, replay) and the same run
-    restarted from its step-2 checkpoint choose the same tasks and end with the same data state.
+    restarted from its step-2 checkpoint choose the same tasks and end with the same data state;
+    `rljax eval` on its last checkpoint reports the loop's greedy accuracies, overall and per task.
     Catches: selection state, stream positions or the replay buffer missing from the checkpoint,
-    or choices drawn from an unseeded generator."""
+    choices drawn from an unseeded generator, or `rljax eval` building a single-source held-out
+    set or an unrouted reward for a mixture."""
     from rljax.train.loop import train
 
     full = tmp_path / "full"
@@ -354,3 +356,22 @@ def test_resumed_mixture_makes_the_same_selections(tmp_path):
     files = [d / "checkpoints" / "4" / "data" / "metadata" for d in (full, resumed)]
     state = [json.loads(f.read_text()) for f in files]
     assert state[0] == state[1] and state[0]["mixture"]["streams"][1]["next_index"] > 0
+
+    # `rljax eval` on the mixture's checkpoint: every source's held-out problems, routed rewards,
+    # the loop's own greedy accuracies (overall and per task) at that step.
+    from rljax.cli import main
+
+    main(["eval", str(full), "--step", "4", "--samples", "1", "--seeds", "1"])
+    report = json.loads(capsys.readouterr().out)
+    last = result.history[-1]
+    per_task = {k.removeprefix("eval/").removesuffix("/accuracy"): v for k, v in last.items()
+                if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2}
+    from rljax.train import setup
+
+    cfg = load_config(None, TINY + [f"output_dir='{full}'"])
+    sources = setup.build_sources(cfg.data)
+    held_out = sum(len(s.held_out[:cfg.eval.size]) for s in sources)  # level 2 prompts run over the limit
+    assert report["problems"] + report["prompts_too_long"] == held_out and report["problems"] > 0
+    assert per_task and report["greedy_accuracy"] == pytest.approx(last["eval/accuracy"])
+    assert {k.removeprefix("greedy_accuracy/"): v for k, v in report.items()
+            if k.startswith("greedy_accuracy/")} == pytest.approx(per_task)
