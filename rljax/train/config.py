@@ -333,7 +333,7 @@ class PlanSection:
 class EnvSection:
     """Multi-turn episodes with a tool (`rljax.envs`; the rollout is `rljax.train.episodes`).
 
-    Unset `name` (the default) keeps single-turn rollouts. `name` picks a registered environment
+    Unset or empty `name` (the default) keeps single-turn rollouts. `name` picks a registered environment
     (calculator, python, reasoning_gym_tool), `format` its tool-call format (tags, qwen, hermes);
     `options` are further keyword arguments of the environment's factory. `max_episode_tokens` is
     the per-episode token budget (model and environment tokens together; `sampling.max_new_tokens`
@@ -362,7 +362,8 @@ class EnvSection:
 
     @property
     def enabled(self) -> bool:
-        return self.name is not None
+        """An environment is named (`env.name=''` on the command line turns a recipe's off)."""
+        return bool(self.name)
 
 
 @dataclasses.dataclass(frozen=True)
