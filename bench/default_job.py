@@ -4,6 +4,8 @@ wall time, and records held-out accuracy before/after RL. Writes bench/results/d
     .venv/bin/python bench/default_job.py [--seeds 0 1 2] [--parallel 2] [--collect-only]
     .venv/bin/python bench/default_job.py --tag lora --skip-control \
         --override lora.rank=16 lora.alpha=32 optim.learning_rate=3e-3     # the LoRA variant (issue 22)
+    .venv/bin/python bench/default_job.py --config tool_products --tag tools --skip-control \
+        --override rl.iterations=100                                        # multi-turn tools (issue 21)
 
 `--tag NAME` keeps a variant's runs in runs/default_job_NAME and its results in
 bench/results/default_job_NAME.json; `--override` passes key=value settings to every seed's run.
@@ -33,9 +35,12 @@ def _accuracies(run_dir):
     return evals[0][1], evals[-1][1], evals
 
 
+CONFIG: list[str] = []  # ["--config", NAME] with --config
+
+
 def _launch(name, overrides):
     log = open(os.path.join(RUNS, f"{name}.log"), "w")
-    cmd = [sys.executable, "-m", "rljax.cli", "train", f"output_dir='{os.path.join(RUNS, name)}'",
+    cmd = [sys.executable, "-m", "rljax.cli", "train", *CONFIG, f"output_dir='{os.path.join(RUNS, name)}'",
            "metrics.progress_bar=false", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), time.perf_counter()
 
@@ -50,8 +55,10 @@ def main() -> None:
     ap.add_argument("--skip-control", action="store_true", help="run the seeds only (the control ran before)")
     ap.add_argument("--override", nargs="*", default=[], help="key=value settings for every seed's run")
     ap.add_argument("--tag", help="a variant's name: runs/default_job_TAG, bench/results/default_job_TAG.json")
+    ap.add_argument("--config", help="a recipe instead of the default job (e.g. tool_products); use with --tag")
     args = ap.parse_args()
-    global RUNS
+    global RUNS, CONFIG
+    CONFIG = ["--config", args.config] if args.config else []
     RUNS = f"{RUNS}_{args.tag}" if args.tag else RUNS
     os.makedirs(RUNS, exist_ok=True)
     walls = {}
@@ -76,7 +83,7 @@ def main() -> None:
                                            "warm_start.steps=1000000", f"warm_start.max_seconds={control_s - 20:.0f}"])
         proc.wait()
         walls["control_sft"] = time.perf_counter() - t0
-    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": args.override,
+    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": args.config or "default", "overrides": args.override,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
            "python": platform.python_version(), "runs": {}}
     for name in sorted(os.listdir(RUNS)):

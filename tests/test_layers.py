@@ -21,7 +21,7 @@ CLI = 4
 LAYERS = {
     "models": 0, "lora": 0, "tokenizers": 0, "rewards": 0, "objectives": 0,
     "errors": 0, "config_io": 0, "optim": 0, "storage": 0,
-    "sampling": 1, "update": 1, "data": 1, "checkpoint": 1, "sharding": 1,
+    "sampling": 1, "update": 1, "data": 1, "checkpoint": 1, "sharding": 1, "envs": 1,
     "evaluation": 2,
     "train": 3, "plan": 3,
     "cli": CLI, "__main__": CLI,

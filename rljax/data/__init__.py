@@ -1,4 +1,5 @@
-"""Task data: sources, held-out splits, prompt rendering, the grain pipeline, group filtering.
+"""Task data: sources, held-out splits, prompt rendering, the grain pipeline, group filtering,
+task selection, DAPO resampling rounds and replay.
 
     source = load_task("reasoning_gym", name="chain_sum", size=2000, seed=0)
     train, held_out = heldout_split(source.examples, eval_size=400, seed=0)
@@ -9,6 +10,10 @@
 from rljax.data.example import Example, normalize_question, question_key, verifier_metadata
 from rljax.data.filtering import GroupSelection, accuracy_band, dynamic_sample, informative_groups, refill
 from rljax.data.pipeline import PromptBatch, PromptData, index_batches, prompt_batches, shard_rows
+from rljax.data.replay import MixResult, ReplayBuffer, ReplayRows, mix_into_batch
+from rljax.data.resampling import ResampledBatch, ResampleSpend, RoundResampler, resample
+from rljax.data.selection import (POLICIES, GroupStats, SelectionPolicy, group_stats, make_policy,
+                                  register_policy)
 from rljax.data.sources import (SOURCES, FieldMap, TaskSource, from_jsonl, from_parquet, from_reasoning_gym,
                                 from_tfds, load_task)
 from rljax.data.splits import drop_overlap, heldout_split
@@ -17,6 +22,9 @@ from rljax.data.templates import EncodedPrompts, PromptFormat, encode_prompts, p
 __all__ = [
     "Example", "normalize_question", "question_key", "verifier_metadata",
     "GroupSelection", "accuracy_band", "dynamic_sample", "informative_groups", "refill",
+    "MixResult", "ReplayBuffer", "ReplayRows", "mix_into_batch",
+    "ResampledBatch", "ResampleSpend", "RoundResampler", "resample",
+    "POLICIES", "GroupStats", "SelectionPolicy", "group_stats", "make_policy", "register_policy",
     "PromptBatch", "PromptData", "index_batches", "prompt_batches", "shard_rows",
     "SOURCES", "FieldMap", "TaskSource", "from_jsonl", "from_parquet", "from_reasoning_gym", "from_tfds",
     "load_task", "drop_overlap", "heldout_split",

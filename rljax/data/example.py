@@ -17,6 +17,7 @@ from typing import Any
 
 from rljax.errors import DataError
 from rljax.rewards.reasoning import ENTRY_KEY
+from rljax.rewards.routing import TASK_KEY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Example:
       tests: unit tests for code tasks, in whatever form the code verifier takes.
       metadata: free-form JSON-like facts about the example (difficulty, source, ...).
       entry: the raw source record (the reasoning-gym entry), kept for ``score_answer``.
+      task: the task (mixture source) it came from; None for a single-source run. The reward
+        routes on it (`rljax.rewards.RoutedVerifier`) and metrics are split by it.
     """
 
     id: str
@@ -41,12 +44,16 @@ class Example:
     tests: Any = None
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     entry: Any = dataclasses.field(default=None, compare=False, repr=False)
+    task: str | None = None
 
 
 def verifier_metadata(example: Example) -> dict[str, Any]:
     """What verifiers read: the answer, tests, the raw task entry and the example's metadata."""
-    return {**example.metadata, "answer": example.answer, "tests": example.tests, ENTRY_KEY: example.entry,
+    meta = {**example.metadata, "answer": example.answer, "tests": example.tests, ENTRY_KEY: example.entry,
             "id": example.id}
+    if example.task is not None:
+        meta[TASK_KEY] = example.task
+    return meta
 
 
 _SPACE = re.compile(r"\s+")

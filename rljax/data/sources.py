@@ -85,6 +85,27 @@ def from_reasoning_gym(name: str, size: int, seed: int, **task_kwargs: Any) -> T
     return TaskSource(name=f"reasoning_gym:{name}", examples=examples, scorer=scorer)
 
 
+def reasoning_gym_generator(name: str, seed: int, **task_kwargs: Any) -> Callable[[int], Example]:
+    """``index -> Example``: item `index` of the generator `name` seeded by `seed`, made on demand.
+
+    reasoning-gym makes item i from ``Random(seed + i)``, so a generator as large as an int32 costs
+    nothing until indexed, and item i is the same in every process and after a restart; ids are
+    ``"<name>/<seed>/fresh<index>"``."""
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=2**31 - 1, seed=seed, **task_kwargs)
+    except (ValueError, TypeError, KeyError) as err:
+        raise DataError(f"reasoning-gym task {name!r} with {task_kwargs}: {err}") from None
+
+    def generate(index: int) -> Example:
+        e = dataset[index]
+        return Example(id=f"{name}/{seed}/fresh{index}", question=str(e["question"]), answer=str(e["answer"]),
+                       metadata=dict(e.get("metadata", {})), entry=e)
+
+    return generate
+
+
 def _row_to_example(row: Any, fields: FieldMap, default_id: str) -> Example:
     """One mapped row, or ValueError saying what is wrong with it."""
     if not isinstance(row, Mapping):

@@ -72,13 +72,32 @@ def _correct(setup: EvalSetup, params, idx, controls: SampleControls, key) -> np
     return (np.asarray(part) >= 1.0).reshape(len(idx), n)
 
 
+def greedy_solved(setup: EvalSetup, params) -> np.ndarray:
+    """bool ``[len(setup.examples)]``: whether each held-out problem's greedy completion is correct."""
+    if not setup.examples:
+        return np.zeros(0, bool)
+    controls = setup.controls.greedy_version()
+    solved = [_correct(setup, params, idx, controls, jax.random.key(0))[:real, 0] for idx, real in setup.batches()]
+    return np.concatenate(solved)
+
+
 def greedy_accuracy(setup: EvalSetup, params) -> float:
     """Fraction of held-out problems solved by the greedy completion (NaN for an empty set)."""
-    if not setup.examples:
-        return float("nan")
-    controls = setup.controls.greedy_version()
-    solved = [_correct(setup, params, idx, controls, jax.random.key(0))[:real] for idx, real in setup.batches()]
-    return float(np.mean(np.concatenate(solved)))
+    solved = greedy_solved(setup, params)
+    return float(np.mean(solved)) if solved.size else float("nan")
+
+
+def accuracy_by_task(setup: EvalSetup, solved: np.ndarray) -> dict[str, float]:
+    """``{task: accuracy}`` over the examples that carry a task name (a mixture's held-out split),
+    from `greedy_solved`'s table: ``bincount(task, solved) / bincount(task)``."""
+    names = sorted({e.task for e in setup.examples if e.task is not None})
+    if not names:
+        return {}
+    task_b = np.array([names.index(e.task) if e.task is not None else -1 for e in setup.examples])
+    have = task_b >= 0
+    count = np.bincount(task_b[have], minlength=len(names))
+    hits = np.bincount(task_b[have], weights=solved[have].astype(np.float64), minlength=len(names))
+    return {name: float(hits[j] / count[j]) for j, name in enumerate(names) if count[j]}
 
 
 def sampled_eval(setup: EvalSetup, params, *, num_samples: int, ks: Sequence[int], seeds: int,

@@ -22,13 +22,15 @@ from rljax.rewards.extract import answer_tag, boxed, extract_answer, final_line,
 from rljax.rewards.math import MathAnswer, math_verify
 from rljax.rewards.pool import Outcome, Task, VerifierPool, default_pool
 from rljax.rewards.reasoning import ReasoningGymAnswer
-from rljax.rewards.sandbox import SandboxLimits, run_code
+from rljax.rewards.routing import TASK_KEY, RoutedVerifier
+from rljax.rewards.sandbox import ProgramRun, SandboxLimits, run_code, run_program
 from rljax.rewards.shaping import RegexFormat, TagFormat, TargetLength
 
 __all__ = [
-    "CodeTests", "FunctionVerifier", "MathAnswer", "Outcome", "Part",
-    "ReasoningGymAnswer", "RegexFormat", "RewardCallback", "RewardFn", "Rewards", "SandboxLimits",
+    "CodeTests", "FunctionVerifier", "MathAnswer", "Outcome", "Part", "ProgramRun",
+    "ReasoningGymAnswer", "RegexFormat", "RewardCallback", "RewardFn", "Rewards", "RoutedVerifier", "SandboxLimits",
+    "TASK_KEY",
     "TagFormat", "TargetLength", "Task", "Verifier", "VerifierPool", "answer_tag", "as_callback",
     "boxed", "compose", "default_pool", "extract_answer", "extract_code", "final_line",
-    "hash_answer", "math_verify", "run_code", "verifier",
+    "hash_answer", "math_verify", "run_code", "run_program", "verifier",
 ]

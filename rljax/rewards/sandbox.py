@@ -17,6 +17,7 @@ Code rewards score the fraction of unit tests passed (AceReason-Nemotron, 2025; 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from rljax.errors import DataError
 
@@ -150,6 +151,48 @@ def run_code(code: str, tests: Sequence[str] | Sequence[Mapping[str, str]],
     if not asserts and not all(isinstance(t, Mapping) and {"input", "output"} <= set(t)
                                for t in tests):
         raise DataError("tests must be all assert strings or all {'input', 'output'} dicts")
+    with _sandbox_dirs() as (root, work):
+        if asserts:
+            results, flags, isolation = _run_asserts(root, work, code, tests, limits)
+        else:
+            results, flags, isolation = _run_io(root, work, code, tests, limits)
+    passed = sum(results)
+    return passed / len(tests), {"passed": passed, "total": len(tests), "results": results,
+                                 "flags": flags, "isolation": list(isolation)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramRun:
+    """What one sandboxed program did: its stdout (cut at ``output_bytes``), exit status, and the
+    flag that stopped it (``"timeout"``, ``"output_limit"``, ``"killed:signal N"``) or None."""
+
+    stdout: str
+    returncode: int
+    flag: str | None
+    isolation: tuple[str, ...]
+
+
+def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> ProgramRun:
+    """Runs ``code`` as ``__main__`` in the sandbox once, with ``stdin``; returns its output.
+
+    For tools that show the program's output to a model (``rljax.envs``' Python tool), where
+    `run_code` only says which tests passed. Same process, limits and audit hook as `run_code`;
+    the exit status is 1 when the program raised, and then the harness neither prints a traceback
+    nor flushes stdout: code that wants its output and errors seen catches and flushes them itself.
+    """
+    with _sandbox_dirs() as (root, work):
+        solution = Path(work, "solution.py")
+        solution.write_text(code)
+        if os.getuid() == 0:
+            os.chown(solution, _NOBODY, _NOBODY)
+        run = _run_process(root, work, "io", stdin.encode(), limits, min(limits.wall_s, limits.total_s))
+    return ProgramRun(run.stdout.decode(errors="replace"), run.returncode, run.flag, run.isolation)
+
+
+@contextlib.contextmanager
+def _sandbox_dirs() -> Iterator[tuple[str, str]]:
+    """A fresh sandbox root holding the harness and an empty work dir (owned by nobody when we are
+    root), removed afterwards."""
     root = tempfile.mkdtemp(prefix="rljax-sandbox-")
     try:
         work = os.path.join(root, "work")
@@ -159,15 +202,9 @@ def run_code(code: str, tests: Sequence[str] | Sequence[Mapping[str, str]],
         os.chmod(root, 0o755)
         if os.getuid() == 0:
             os.chown(work, _NOBODY, _NOBODY)
-        if asserts:
-            results, flags, isolation = _run_asserts(root, work, code, tests, limits)
-        else:
-            results, flags, isolation = _run_io(root, work, code, tests, limits)
+        yield root, work
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    passed = sum(results)
-    return passed / len(tests), {"passed": passed, "total": len(tests), "results": results,
-                                 "flags": flags, "isolation": list(isolation)}
 
 
 def _run_asserts(root: str, work: str, code: str, tests: list[str],

@@ -3,6 +3,7 @@
 `generate` is the notebook entry point; `stream` yields tokens as they are drawn (the CLI uses
 it); `sample` is the traceable form for fused programs. All three take one `SampleControls`.
 `sample_logits` and `filtered_logprobs` are the sampling distribution on plain logits.
+`sample_episodes` decodes multi-turn episodes with a host environment (`rljax.sampling.multiturn`).
 """
 
 from rljax.sampling.controls import SampleControls, StaticControls
@@ -17,9 +18,11 @@ from rljax.sampling.decode import (
 from rljax.sampling.filters import Filters, filtered_logprobs, make_filters, sample_logits
 from rljax.sampling.sampler import generate, rows_sharding, stream
 from rljax.sampling.traced import sample
+from rljax.sampling.multiturn import Episodes, episode_controls, sample_episodes, sample_episodes_host_loop
 
 __all__ = [
     "SampleControls", "StaticControls", "generate", "stream", "sample", "SampleResult", "bucket_length",
     "phase_widths", "rows_sharding", "FINISH_LENGTH", "FINISH_EOS", "FINISH_STOP",
     "sample_logits", "filtered_logprobs", "make_filters", "Filters",
+    "sample_episodes", "sample_episodes_host_loop", "Episodes", "episode_controls",
 ]

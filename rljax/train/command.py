@@ -88,19 +88,31 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from rljax.checkpoint import load_params
-    from rljax.evaluation.runner import EvalSetup, greedy_accuracy, sampled_eval
-    from rljax.train import setup
+    from rljax.envs import get_format
+    from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_solved, sampled_eval
+    from rljax.sampling import multiturn
+    from rljax.train import episodes, setup
     from rljax.train.loop import sample_controls
 
     cfg, step = _run_config(args.run_dir, args.step)
     model_cfg, params = load_params(f"{args.run_dir}/checkpoints", step)
     tokenizer = setup.build_tokenizer(cfg.model)
-    _, held_out, _ = setup.build_splits(cfg.data)
-    evaluator = EvalSetup.build(model_cfg, held_out[:cfg.eval.size], tokenizer, setup.prompt_format(cfg.data),
-                                setup.build_reward(cfg.reward), sample_controls(cfg, tokenizer),
+    controls = sample_controls(cfg, tokenizer)
+    # the training run's held-out problems and reward: per source, routed by task, for a mixture
+    evaluator = EvalSetup.build(model_cfg, setup.eval_split(cfg), tokenizer, setup.prompt_format(cfg.data),
+                                setup.run_reward(cfg), controls,
                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
-    result = {"step": step, "problems": len(evaluator.examples), "prompts_too_long": evaluator.num_too_long,
-              "greedy_accuracy": greedy_accuracy(evaluator, params)}
+    result = {"step": step, "problems": len(evaluator.examples), "prompts_too_long": evaluator.num_too_long}
+    if cfg.env.enabled:  # greedy episodes with the run's tool; sampled pass@k is single-turn only
+        stop = tokenizer.encode(get_format(cfg.env.format).stop_sequence)
+        result["greedy_accuracy"] = episodes.episode_accuracy(
+            evaluator, params, setup.build_env(cfg.env), episodes.EpisodeOptions.from_section(cfg.env),
+            multiturn.episode_controls(controls, stop))
+        print(json.dumps(result, indent=2))
+        return 0
+    solved = greedy_solved(evaluator, params)
+    result["greedy_accuracy"] = float(solved.mean()) if solved.size else float("nan")
+    result.update({f"greedy_accuracy/{task}": acc for task, acc in accuracy_by_task(evaluator, solved).items()})
     samples = args.samples or cfg.eval.num_samples
     result.update(sampled_eval(evaluator, params, num_samples=samples,
                                ks=tuple(k for k in cfg.eval.pass_k if k <= samples),

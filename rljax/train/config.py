@@ -55,12 +55,67 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceSection:
+    """One task of a mixture (`[[data.sources]]`).
+
+    kind: `reasoning_gym` (task + task_kwargs at difficulty `level`), `jsonl` or `parquet` (path +
+    fields). `weight` weighs it for `uniform` and `band`; `verifier` grades it (default: the
+    `[reward]` kind); `name` labels its metrics and routes its reward (default: the task, with
+    `@L{level}` when the level is not 0, or the file's stem). `size` training problems and
+    `eval_size` held-out ones; `prompt_template` defaults to `data.prompt_template`.
+
+    `fresh = true` (reasoning-gym only) draws never-seen questions from the generator instead of
+    a fixed pool: with a pool of repeats a small policy memorises training questions (training
+    reward rises while held-out accuracy stays flat, issue 24); fresh questions cannot be
+    memorised. The pool of `size` problems is still made, for the warm start.
+    """
+
+    kind: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    name: str | None = None
+    task: str = "chain_sum"
+    task_kwargs: dict = dataclasses.field(default_factory=dict)
+    level: int = 0
+    weight: float = 1.0
+    verifier: Literal["reasoning_gym", "math", "code"] | None = None
+    path: str | None = None
+    fields: dict = dataclasses.field(default_factory=dict)
+    size: int = 2000
+    eval_size: int = 100
+    fresh: bool = False
+    prompt_template: str | None = None
+
+    def __post_init__(self):
+        if self.kind != "reasoning_gym" and self.path is None:
+            raise ConfigError(f"data.sources: a {self.kind} source needs path = '...'")
+        if self.fresh and self.kind != "reasoning_gym":
+            raise ConfigError(f"data.sources: fresh = true needs a reasoning_gym source, not {self.kind}; "
+                              "set fresh = false")
+        if self.weight < 0:
+            raise ConfigError(f"data.sources: weight={self.weight} must be >= 0")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.kind == "reasoning_gym":
+            return self.task if self.level == 0 else f"{self.task}@L{self.level}"
+        return Path(self.path).stem
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSection:
     """The task: a source, its held-out split and how an example becomes a prompt.
 
     source: `reasoning_gym` (task + task_kwargs), `jsonl` / `parquet` (path + fields), or `tfds`
     (tfds_name + tfds_data_dir). `eval_size` problems are held out by question text; training never
     sees them. `prompt_template` is a format string over {question} and metadata keys.
+
+    A mixture lists its tasks as `[[data.sources]]` (`SourceSection`); then the single-source
+    keys above other than the seed, prompt and token settings are unused. `selection` names the
+    policy that picks each prompt's task (`rljax.data.selection`: uniform, band, bandit,
+    schedule, auto_curriculum) with `selection_options` as its settings (levels and weights
+    default to the sources'); `band_max_redraws` bounds how often `band` replaces a rejected
+    prompt. A single-source run with a non-uniform selection is a mixture of one.
     """
 
     source: Literal["reasoning_gym", "jsonl", "parquet", "tfds"] = "reasoning_gym"
@@ -81,6 +136,24 @@ class DataSection:
     add_bos: bool = True
     max_prompt_tokens: int = 64
     prompt_buckets: tuple[int, ...] = ()
+    sources: tuple[SourceSection, ...] = ()
+    selection: str = "uniform"
+    selection_options: dict = dataclasses.field(default_factory=dict)
+    band_max_redraws: int = 4
+
+    def __post_init__(self):
+        from rljax.data.selection import POLICIES
+
+        POLICIES.get(self.selection)  # an unknown name: one line listing the registered ones
+        labels = [s.label for s in self.sources]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"data.sources names {labels} repeat; give each source a distinct name = '...'")
+        if self.band_max_redraws < 0:
+            raise ConfigError(f"data.band_max_redraws={self.band_max_redraws} must be >= 0")
+
+    @property
+    def is_mixture(self) -> bool:
+        return bool(self.sources) or self.selection != "uniform" or bool(self.selection_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +181,9 @@ class WarmStartSection:
     `target_accuracy` > 0 stops it early once greedy accuracy on `validation_size` training
     problems (not the held-out split) reaches the target, checked every `check_every` steps.
     `max_seconds` > 0 stops it after that wall time (used by the supervised-only control run).
+    `patience` > 0 stops it once that validation accuracy has not risen by `min_delta` in
+    `patience` checks: a task that cannot reach the target within the budget stops on the plateau
+    (`rljax.train.warm_start.stop_reason`).
     """
 
     steps: int = 0
@@ -118,19 +194,65 @@ class WarmStartSection:
     validation_size: int = 200
     check_every: int = 25
     max_seconds: float = 0.0  # > 0: also stop after this wall time (for equal-time SFT controls)
+    patience: int = 0
+    min_delta: float = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySection:
+    """Replay of successful trajectories (`rljax.data.replay`; ARPO, RePO 2025); capacity 0: off.
+    Successes of groups with pass rate < `max_pass_rate` are stored (at most `per_prompt` per
+    prompt); up to `fraction` of each batch's groups, those that all failed, get one back.
+    Replay is keyed on the prompt, so it needs prompts that come back: a pool, not `fresh`
+    questions."""
+
+    capacity: int = 0
+    fraction: float = 0.25
+    per_prompt: int = 2
+    max_pass_rate: float = 0.5
+
+    def __post_init__(self):
+        if self.capacity < 0 or self.per_prompt < 1 or not 0.0 <= self.fraction <= 1.0:
+            raise ConfigError(f"rl.replay needs capacity >= 0, per_prompt >= 1 and 0 <= fraction <= 1, got "
+                              f"{self.capacity}, {self.per_prompt}, {self.fraction}")
 
 
 @dataclasses.dataclass(frozen=True)
 class RLSection:
     """The RL schedule. `dynamic_sampling` over-samples `oversample` x prompts and keeps groups
     whose rewards differ (DAPO, 2025). `reference_reset_every` > 0 resets the KL reference to the
-    current policy (and restarts the optimiser moments) every that many iterations (ProRL, 2025)."""
+    current policy (and restarts the optimiser moments) every that many iterations (ProRL, 2025).
+
+    `resample_round_size` > 0 resamples instead (DAPO's own scheme, `rljax.data.resampling`):
+    rounds of that many prompts until `prompts_per_iteration` groups have reward variance, at
+    most `resample_max_rounds` rounds. It and `replay` run the iteration as sample -> host ->
+    update (`rljax.train.batching`)."""
 
     iterations: int = 60
     prompts_per_iteration: int = 64
     dynamic_sampling: bool = False
     oversample: float = 2.0
     reference_reset_every: int = 0
+    resample_round_size: int = 0
+    resample_max_rounds: int = 4
+    replay: ReplaySection = ReplaySection()
+
+    def __post_init__(self):
+        if self.resample_round_size < 0 or self.resample_max_rounds < 1:
+            raise ConfigError(f"rl.resample_round_size={self.resample_round_size} must be >= 0 and "
+                              f"rl.resample_max_rounds={self.resample_max_rounds} >= 1")
+        if self.resample_round_size and self.dynamic_sampling:
+            raise ConfigError("rl.resample_round_size resamples instead of rl.dynamic_sampling's fixed pool; "
+                              "set one of them")
+        if self.resample_round_size and self.prompts_per_iteration > self.resample_round_size * self.resample_max_rounds:
+            raise ConfigError(f"rl.resample_max_rounds={self.resample_max_rounds} rounds of "
+                              f"{self.resample_round_size} prompts cannot fill {self.prompts_per_iteration} groups; "
+                              "raise either")
+
+    @property
+    def host_batching(self) -> bool:
+        """Whether the iteration is sample -> host -> update (resampling or replay)."""
+        return bool(self.resample_round_size or self.replay.capacity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +330,43 @@ class PlanSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """Multi-turn episodes with a tool (`rljax.envs`; the rollout is `rljax.train.episodes`).
+
+    Unset or empty `name` (the default) keeps single-turn rollouts. `name` picks a registered environment
+    (calculator, python, reasoning_gym_tool), `format` its tool-call format (tags, qwen, hermes);
+    `options` are further keyword arguments of the environment's factory. `max_episode_tokens` is
+    the per-episode token budget (model and environment tokens together; `sampling.max_new_tokens`
+    does not apply), `max_observation_tokens` the cap on one observation (cut with
+    `truncation_marker`, which the tokenizer must spell). `void_turn_filter` drops trajectories
+    with a void turn from the loss (SimpleTIR); `turn_discount` is gamma of the episode return
+    sum_k gamma^k r_k over its turns (1: the plain sum).
+    """
+
+    name: str | None = None
+    format: str = "tags"
+    max_turns: int = 3
+    max_episode_tokens: int = 64
+    max_observation_tokens: int = 16
+    truncation_marker: str = "..."
+    void_turn_filter: bool = True
+    turn_discount: float = 1.0
+    options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_episode_tokens", "max_observation_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"env.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.turn_discount <= 1.0:
+            raise ConfigError(f"env.turn_discount must be in (0, 1], got {self.turn_discount}")
+
+    @property
+    def enabled(self) -> bool:
+        """An environment is named (`env.name=''` on the command line turns a recipe's off)."""
+        return bool(self.name)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run. `seed` drives init, sampling and shuffling; the same seed and config on the
     same hardware give the same result."""
@@ -233,6 +392,8 @@ class TrainConfig:
     plan: PlanSection = PlanSection()
     # Low-rank adapters on the frozen policy (`rljax.lora`); rank 0, the default, trains every weight.
     lora: LoraConfig = LoraConfig()
+    # Multi-turn episodes with a tool; unset, rollouts are single completions.
+    env: EnvSection = EnvSection()
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples
@@ -242,12 +403,31 @@ class TrainConfig:
         if self.rl.reference_reset_every and not self.algorithm.needs.reference_logp:
             raise ConfigError(f"rl.reference_reset_every={self.rl.reference_reset_every} needs a KL reference: set "
                               f"algorithm.kl_coef > 0, or rl.reference_reset_every=0")
+        if self.rl.replay.capacity and not (self.algorithm.recompute_old_logp
+                                            and self.algorithm.off_policy in ("tis", "mis")):
+            raise ConfigError("rl.replay mixes off-policy rows: set algorithm.recompute_old_logp=true and "
+                              "algorithm.off_policy='tis' (or 'mis')")
+        if self.env.enabled and (self.rl.dynamic_sampling or self.mesh.sampler != "shared"):
+            raise ConfigError("env: multi-turn rollouts run in the fused iteration without dynamic sampling; set "
+                              "rl.dynamic_sampling=false and mesh.sampler=\"shared\"")
+        if self.env.enabled and self.host_batching:
+            raise ConfigError("env: multi-turn rollouts do not combine with a mixture, resampling or replay yet; "
+                              "remove [[data.sources]]/data.selection, rl.resample_round_size and rl.replay, or [env]")
         if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
                               f"update.num_minibatches * num_microbatches = {self.update.chunks}")
 
+    @property
+    def host_batching(self) -> bool:
+        """Whether iterations are sample -> host -> update (`rljax.train.batching`): a mixture, a
+        selection policy, resampling or replay."""
+        return self.data.is_mixture or self.rl.host_batching
+
     def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+        out = to_dict(self)
+        if self.data.sources:  # a list of sections, which to_dict leaves as dataclasses
+            out["data"]["sources"] = [to_dict(s) for s in self.data.sources]
+        return out
 
 
 # The recipes ship inside the package, so a wheel install has them; the checkout's top-level

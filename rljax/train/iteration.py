@@ -17,6 +17,10 @@ Across processes both forms work unchanged: inputs are global arrays and the ver
 runs once, on the process that holds device 0, which sees every row (every process holds the
 same example table).
 
+`make_stages` compiles the two stages as separate programs on one device, for iterations the
+host steers between them (`rljax.train.batching`: DAPO resampling rounds, replay, a mixture's
+selection policy).
+
 Both return `(state, metrics, preview)`: the metrics of the two stages are merged with
 `merge_metrics`, which refuses a key both stages report (`rollout/...` covers every sampled row,
 `train/...` the rows the loss saw).
@@ -24,8 +28,9 @@ Both return `(state, metrics, preview)`: the metrics of the two stages are merge
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -93,34 +98,10 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
     (the on-device reshard of the params), `time/sample_s` (sampling, verifier callback included)
     and `time/update_s`.
     """
-    roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling)
-    cfg, needs = state.model_cfg, state.algo.needs
-    rows = num_groups * controls.num_samples
-
-    def rows_sharding(layout: Layout, size: int) -> NamedSharding:
-        return NamedSharding(layout.mesh, P(batch_axes(layout.mesh, size)))
-
-    sampler_params_sh = sampler.params(jax.eval_shape(TrainState.sampler_params, state))
-    state_shardings = trainer.tree(state)
-    # LoRA: the sampler's copy is the base with the adapters merged, built in the trainer layout
-    to_sampler = jax.jit(TrainState.sampler_params) if state.lora is not None else TrainState.sampler_params
-
-    def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
-        k_sample, _ = jax.random.split(key)
-        return roll(cfg, needs, params, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
-
-    def update_program(state, batch, key):
-        _, k_update = jax.random.split(key)
-        return update(state, batch, k_update)
-
-    prompts_in = rows_sharding(sampler, num_prompts)
-    sample_jit = jax.jit(sample_program,
-                         in_shardings=(sampler_params_sh, prompts_in, prompts_in, prompts_in, sampler.replicated),
-                         out_shardings=(rows_sharding(sampler, rows), sampler.replicated, sampler.replicated))
-    batch_sh = rows_sharding(trainer, rows)  # every RolloutBatch leaf is [rows, ...]
-    update_jit = jax.jit(update_program, donate_argnums=(0,),
-                         in_shardings=(state_shardings, batch_sh, trainer.replicated),
-                         out_shardings=(state_shardings, trainer.replicated))
+    p = _split_programs(controls, reward_callback, state, num_prompts=num_prompts, num_groups=num_groups,
+                        trainer=trainer, sampler=sampler, dynamic_sampling=dynamic_sampling)
+    to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh = (
+        p.to_sampler, p.sampler_params_sh, p.sample_jit, p.update_jit, p.batch_sh)
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         t_sync = time.perf_counter()
@@ -138,3 +119,101 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
         return state, merge_metrics(rollout_metrics, train_metrics, timings), preview
 
     return iteration
+
+
+def _stage_programs(roll, cfg, needs):
+    """The sampling and update stages as functions of their inputs, splitting `key` as the fused
+    iteration does (sample with the first half, update with the second)."""
+
+    def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+        k_sample, _ = jax.random.split(key)
+        return roll(cfg, needs, params, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
+
+    def update_program(state, batch, key):
+        _, k_update = jax.random.split(key)
+        return update(state, batch, k_update)
+
+    return sample_program, update_program
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitPrograms:
+    to_sampler: Callable
+    sampler_params_sh: Any
+    sample_jit: Callable
+    update_jit: Callable
+    batch_sh: NamedSharding
+    prompts_sh: NamedSharding
+
+
+def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups, trainer, sampler,
+                    dynamic_sampling) -> _SplitPrograms:
+    """The sampling program (sampler layout) and the update program (trainer layout)."""
+    roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling)
+    cfg, needs = state.model_cfg, state.algo.needs
+    rows = num_groups * controls.num_samples
+
+    def rows_sharding(layout: Layout, size: int) -> NamedSharding:
+        return NamedSharding(layout.mesh, P(batch_axes(layout.mesh, size)))
+
+    sampler_params_sh = sampler.params(jax.eval_shape(TrainState.sampler_params, state))
+    state_shardings = trainer.tree(state)
+    # LoRA: the sampler's copy is the base with the adapters merged, built in the trainer layout
+    to_sampler = jax.jit(TrainState.sampler_params) if state.lora is not None else TrainState.sampler_params
+
+    sample_program, update_program = _stage_programs(roll, cfg, needs)
+
+    prompts_in = rows_sharding(sampler, num_prompts)
+    sample_jit = jax.jit(sample_program,
+                         in_shardings=(sampler_params_sh, prompts_in, prompts_in, prompts_in, sampler.replicated),
+                         out_shardings=(rows_sharding(sampler, rows), sampler.replicated, sampler.replicated))
+    batch_sh = rows_sharding(trainer, rows)  # every RolloutBatch leaf is [rows, ...]
+    update_jit = jax.jit(update_program, donate_argnums=(0,),
+                         in_shardings=(state_shardings, batch_sh, trainer.replicated),
+                         out_shardings=(state_shardings, trainer.replicated))
+
+    return _SplitPrograms(to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh, prompts_in)
+
+
+def make_stages(controls: SampleControls, reward_callback: Callable, state: TrainState, *, num_prompts: int,
+                trainer: Layout | None = None, sampler: Layout | None = None) -> "Stages":
+    """The two stages as separate programs, for iterations the host steers between them
+    (`rljax.train.batching`): `Stages.sample(state, prompt_tokens_pt, prompt_mask_pt, index_p,
+    key)` samples and scores `num_prompts` prompts (a `RolloutBatch` of num_prompts * n rows),
+    `Stages.update(state, batch, key)` runs the update (state donated). `key` is split as
+    `make_iteration` splits it, so one round of `num_groups` prompts reproduces the fused
+    iteration. With a trainer layout they are `make_split_iteration`'s programs (the sampler
+    layout defaults to the trainer's): params are synced into the sampler layout, prompts and
+    batches placed on the right mesh."""
+    if trainer is not None:
+        programs = _split_programs(controls, reward_callback, state, num_prompts=num_prompts, num_groups=num_prompts,
+                                   trainer=trainer, sampler=sampler or trainer, dynamic_sampling=False)
+        return Stages(None, None, programs)
+    roll = _rollout_fn(controls, reward_callback, num_prompts, False)
+    cfg, needs = state.model_cfg, state.algo.needs
+
+    sample_program, update_program = _stage_programs(roll, cfg, needs)
+
+    return Stages(jax.jit(sample_program), jax.jit(update_program, donate_argnums=(0,)), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """`make_stages`'s programs: one device (`sample_jit`, `update_jit`) or split layouts."""
+
+    sample_jit: Callable | None
+    update_jit: Callable | None
+    split: _SplitPrograms | None
+
+    def sample(self, state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+        if self.split is None:
+            return self.sample_jit(state.sampler_params(), prompt_tokens_pt, prompt_mask_pt, index_p, key)
+        p = self.split
+        params, _ = sync_weights(jax.block_until_ready(p.to_sampler(state)), p.sampler_params_sh)
+        prompts = jax.device_put((prompt_tokens_pt, prompt_mask_pt, index_p), p.prompts_sh)
+        return p.sample_jit(params, *prompts, key)
+
+    def update(self, state: TrainState, batch, key):
+        if self.split is None:
+            return self.update_jit(state, batch, key)
+        return self.split.update_jit(state, jax.device_put(batch, self.split.batch_sh), key)

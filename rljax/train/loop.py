@@ -10,8 +10,15 @@
         every samples_every:    a few completions with their rewards
         every checkpoint.every: async orbax save (params, opt state, step, rng, data state, config)
 
+A mixture (`[[data.sources]]`, a selection policy), DAPO resampling or replay make the
+iteration host-steered instead (`rljax.train.batching.HostBatcher`: sample -> host -> update,
+one device); its data state (selection, streams, replay) is checkpointed like the pipeline's.
+
 With `mesh.sampler = "tensor"` the iteration is two programs instead (sampler layout, then
 trainer layout) with an on-device weight sync before them, timed as `time/weight_sync_s`.
+With an `[env]` section the rollout is multi-turn episodes with a tool (`rljax.train.episodes`:
+the environment stepped from inside the decode loop), still one program, and the held-out
+accuracy is that of greedy episodes.
 In a multi-process run (`rljax.sharding.initialize`) every process runs this same loop on its
 rows of each global batch; process 0 writes metrics, and checkpoints are written collectively.
 
@@ -31,18 +38,23 @@ from etils import epath
 
 from rljax.checkpoint import Checkpointer
 from rljax.data.example import verifier_metadata
+from rljax.data.mixture import MixtureSampler
 from rljax.data.pipeline import PromptData, prompt_batches, shard_rows
+from rljax.data.replay import ReplayBuffer
 from rljax.errors import CheckpointError, ConfigError
-from rljax.evaluation.runner import EvalSetup, greedy_accuracy
+from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_accuracy, greedy_solved
 from rljax.rewards import as_callback
-from rljax.sampling import SampleControls
+from rljax.envs import get_format
+from rljax.sampling import SampleControls, multiturn
 from rljax.sharding import Layout, abstract_like, global_batch, process_rows
 from rljax.storage import check_writable
-from rljax.train import setup
+from rljax.train import episodes, setup
 from rljax.train.config import TrainConfig
-from rljax.train.iteration import make_iteration, make_split_iteration
+from rljax.train.batching import HostBatcher, HostDataState, Rounds
+from rljax.train.iteration import make_iteration, make_split_iteration, make_stages
 from rljax.train.metrics_writer import MetricsWriter, SampleRecord, plot_curves
 from rljax.train.progress import Progress
+from rljax.train.tool_warm_start import run_tool_warm_start
 from rljax.train.warm_start import run_warm_start
 from rljax.update import TrainState, init_train_state, reset_reference
 
@@ -74,13 +86,16 @@ class Run:
     train_set: tuple
     fmt: Any
     reward_fn: Any
-    data: PromptData
+    data: PromptData | None  # the single-source pipeline (None when host-steered)
+    sampler: MixtureSampler | None  # the host-steered run's mixture (None: the pipeline)
+    replay: ReplayBuffer | None
     num_prompts: int  # sampled per iteration (over-sampled for dynamic sampling)
     controls: SampleControls
     evaluator: EvalSetup
     writer: MetricsWriter
     ckpt: Checkpointer
     log: Callable[[str], None]
+    env: Any = None  # the `[env]` section's environment (multi-turn episodes), or None
 
 
 def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
@@ -96,18 +111,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     progress = Progress(cfg.rl.iterations, start, enabled=_is_main() and cfg.metrics.progress_bar)
     accuracy = next((r["eval/accuracy"] for r in reversed(history) if r.get("eval/accuracy") is not None), None)
     for it in range(start, cfg.rl.iterations):
-        prompts = _prompt_arrays(run, next(data_iter))
+        prompts = _prompt_arrays(run, next(data_iter)) if run.sampler is None else ()
         t0 = time.perf_counter()
         state = maybe_reset_reference(state, it, cfg.rl.reference_reset_every)
         state, metrics, preview = iteration(state, *prompts, jax.random.fold_in(run.keys["loop"], it))
         metrics = jax.block_until_ready(metrics)  # the call returns at dispatch on an accelerator
         metrics = step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(),
-                               fused=run.sampler_layout is None)
+                               fused=run.sampler_layout is None and run.sampler is None)
         step = it + 1
         last = step == cfg.rl.iterations
         if step % cfg.eval.every == 0 or last:
-            policy = _eval_params(state.sampler_params(), run)
-            accuracy = metrics["eval/accuracy"] = greedy_accuracy(run.evaluator, policy)
+            metrics.update(evaluate(run, state))
+            accuracy = metrics["eval/accuracy"]
         run.writer.write(step, metrics)
         if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
             run.writer.write_samples(step, preview_samples(run, preview))
@@ -133,18 +148,37 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     tokenizer = setup.build_tokenizer(cfg.model)
     model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
     lora, adapters = setup.build_lora(cfg.lora, model_cfg)
-    train_set, held_out, skipped = setup.build_splits(cfg.data)
     fmt = setup.prompt_format(cfg.data)
-    reward_fn = setup.build_reward(cfg.reward)
     num_prompts = max(1, round(cfg.rl.prompts_per_iteration * cfg.rl.oversample)) if cfg.rl.dynamic_sampling \
         else cfg.rl.prompts_per_iteration
-    data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=num_prompts, seed=cfg.data.seed,
-                          max_prompt_len=cfg.data.max_prompt_tokens, fmt=fmt,
-                          buckets=cfg.data.prompt_buckets or None, add_bos=cfg.data.add_bos)
+    data = sampler = replay = None
+    if cfg.host_batching:
+        _check_host_batching(cfg)
+        sources = setup.build_sources(cfg.data)
+        train_set = setup.interleave(s.train for s in sources)
+        held_out = setup.eval_split(cfg, sources)
+        skipped = 0
+        reward_fn = setup.run_reward(cfg)
+        sampler = MixtureSampler(sources, setup.build_selection(cfg.data, sources), seed=cfg.data.seed,
+                                 tokenizer=tokenizer, fmt=fmt, max_prompt_len=cfg.data.max_prompt_tokens,
+                                 add_bos=cfg.data.add_bos, max_redraws=cfg.data.band_max_redraws)
+        num_too_long = sampler.num_too_long
+        if cfg.rl.replay.capacity:
+            r = cfg.rl.replay
+            replay = ReplayBuffer(capacity=r.capacity, row_len=cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens,
+                                  per_prompt=r.per_prompt, max_pass_rate=r.max_pass_rate)
+    else:
+        train_set, held_out, skipped = setup.build_splits(cfg.data)
+        reward_fn = setup.build_reward(cfg.reward)
+        data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=num_prompts, seed=cfg.data.seed,
+                              max_prompt_len=cfg.data.max_prompt_tokens, fmt=fmt,
+                              buckets=cfg.data.prompt_buckets or None, add_bos=cfg.data.add_bos)
+        num_too_long = data.num_too_long
+        held_out = held_out[:cfg.eval.size]
     controls = sample_controls(cfg, tokenizer)
-    evaluator = EvalSetup.build(model_cfg, held_out[:cfg.eval.size], tokenizer, fmt, reward_fn, controls,
+    evaluator = EvalSetup.build(model_cfg, held_out, tokenizer, fmt, reward_fn, controls,
                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
-    dropped = {"skipped rows": skipped, "training prompts over data.max_prompt_tokens (dropped)": data.num_too_long,
+    dropped = {"skipped rows": skipped, "training prompts over data.max_prompt_tokens (dropped)": num_too_long,
                "held-out prompts over data.max_prompt_tokens (dropped)": evaluator.num_too_long}
     log(setup.run_summary(cfg, model_cfg, params, train_set, held_out)
         + "".join(f" | {what} {n}" for what, n in dropped.items() if n))
@@ -154,10 +188,11 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                         best_metric=cfg.checkpoint.best_metric)
-    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop},
+    env = setup.build_env(cfg.env) if cfg.env.enabled else None
+    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env,
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
                model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
-               reward_fn=reward_fn, data=data,
+               reward_fn=reward_fn, data=data, sampler=sampler, replay=replay,
                num_prompts=num_prompts, controls=controls, evaluator=evaluator, writer=writer, ckpt=ckpt, log=log)
 
 
@@ -187,7 +222,7 @@ def initial_state(run: Run, *, resume: bool):
     """(state, first iteration, metric history, prompt iterator): restored from the latest
     checkpoint when resuming, else a fresh state after the warm start, with the held-out
     accuracy before RL as history row 0."""
-    data_iter = iter(run.data.dataset)
+    data_iter = iter(run.data.dataset) if run.sampler is None else HostDataState(run.sampler, run.replay)
     if resume and run.ckpt.latest_step() is not None:
         state, start = restore(run, data_iter)
         run.writer.truncate_after(start)
@@ -196,9 +231,10 @@ def initial_state(run: Run, *, resume: bool):
         run.log(f"no checkpoint in {run.ckpt.directory}; starting from scratch")
     params = warm_start(run)
     state = new_train_state(run, params)
-    accuracy = greedy_accuracy(run.evaluator, _eval_params(state.sampler_params(), run))
-    run.log(f"held-out greedy accuracy before RL: {accuracy:.3f}")
-    row = {"step": 0, "eval/accuracy": accuracy, "eval/prompts_too_long": run.evaluator.num_too_long}
+    if run.sampler is not None:
+        calibrate(run, state)
+    row = {"step": 0, **evaluate(run, state), "eval/prompts_too_long": run.evaluator.num_too_long}
+    run.log(f"held-out greedy accuracy before RL: {row['eval/accuracy']:.3f}")
     run.writer.write(0, row)
     return state, 0, [row], data_iter
 
@@ -215,17 +251,50 @@ def restore(run: Run, data_iter) -> tuple[TrainState, int]:
                             **restored.extra), restored.step
 
 
+def evaluate(run: Run, state: TrainState) -> dict[str, float]:
+    """Greedy held-out accuracy, and per task for a mixture (`eval/{task}/accuracy`); with an
+    `[env]`, the accuracy of greedy episodes with the env's tool (`held_out_accuracy`)."""
+    if run.env is not None:
+        return {"eval/accuracy": held_out_accuracy(run, _eval_params(state.sampler_params(), run))}
+    solved = greedy_solved(run.evaluator, _eval_params(state.sampler_params(), run))
+    out = {"eval/accuracy": float(np.mean(solved)) if solved.size else float("nan")}
+    out.update({f"eval/{task}/accuracy": acc for task, acc in accuracy_by_task(run.evaluator, solved).items()})
+    return out
+
+
+def calibrate(run: Run, state: TrainState) -> None:
+    """`auto_curriculum`'s start: greedy pass rate per source on a few of its training prompts
+    (never the held-out split), after the warm start; other policies skip it."""
+    if not hasattr(run.sampler.policy, "calibrate"):
+        return
+    per_source = max(8, run.cfg.warm_start.validation_size // len(run.sampler.sources))
+    params = _eval_params(state.sampler_params(), run)
+    rates = [greedy_accuracy(EvalSetup.build(run.model_cfg, src.train[:per_source], run.tokenizer, run.fmt,
+                                             run.reward_fn, run.controls, max_prompt_len=run.cfg.data.max_prompt_tokens,
+                                             add_bos=run.cfg.data.add_bos), params)
+             for src in run.sampler.sources]
+    run.sampler.calibrate(rates)
+    run.log("curriculum start from greedy pass rates " + ", ".join(
+        f"{s.name} {r:.2f}" for s, r in zip(run.sampler.sources, rates)))
+
+
 def warm_start(run: Run):
     """The policy after the optional supervised warm start (the initial one when it is off)."""
     cfg = run.cfg
     if not cfg.warm_start.steps:
         return run.params
     params = run.params
-    if cfg.warm_start.target_accuracy:  # its validation runs the host-driven evaluator
+    if cfg.warm_start.target_accuracy or cfg.warm_start.patience:  # its validation runs the host-driven evaluator
         params = _eval_params(params, run)
     validation = EvalSetup.build(run.model_cfg, run.train_set[:cfg.warm_start.validation_size], run.tokenizer,
                                  run.fmt, run.reward_fn, run.controls, max_prompt_len=cfg.data.max_prompt_tokens,
                                  add_bos=cfg.data.add_bos)
+    if run.env is not None:  # scripted tool-use episodes; validated by greedy episodes
+        options = episodes.EpisodeOptions.from_section(cfg.env)
+        controls = episode_controls(run)
+        accuracy = lambda p: episodes.episode_accuracy(validation, p, run.env, options, controls)  # noqa: E731
+        return run_tool_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.env,
+                                   run.keys["warm"], accuracy=accuracy, log=run.log)
     return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.keys["warm"],
                           validation=validation, log=run.log)
 
@@ -234,6 +303,23 @@ def compile_iteration(run: Run, state: TrainState):
     """The iteration program(s) and the verifier callback they call (its host time is read per step).
     Shapes are global: `prompts_per_iteration` groups from `num_prompts` prompts over all processes."""
     cfg = run.cfg
+    if run.env is not None:  # multi-turn episodes: the env's host side is the callback
+        host = episodes.EpisodeHost(run.env, run.tokenizer, run.data.examples,
+                                    max_observation_tokens=cfg.env.max_observation_tokens,
+                                    truncation_marker=cfg.env.truncation_marker)
+        iteration = episodes.make_episode_iteration(episode_controls(run), host,
+                                                    episodes.EpisodeOptions.from_section(cfg.env),
+                                                    layout=run.trainer_layout)
+        return iteration, host
+    if run.sampler is not None:
+        callback = as_callback(run.reward_fn, run.tokenizer, run.sampler.table)  # grows with fresh questions
+        rounds = Rounds.from_config(cfg.rl)
+        stages = make_stages(run.controls, callback, state, num_prompts=rounds.round_size,
+                             trainer=run.trainer_layout, sampler=run.sampler_layout)
+        batcher = HostBatcher(run.sampler, stages, num_groups=cfg.rl.prompts_per_iteration,
+                              num_samples=cfg.sampling.num_samples, rounds=rounds, replay=run.replay,
+                              replay_fraction=cfg.rl.replay.fraction)
+        return batcher.step, callback
     callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
     common = dict(num_groups=cfg.rl.prompts_per_iteration, dynamic_sampling=cfg.rl.dynamic_sampling)
     if run.sampler_layout is not None:
@@ -245,6 +331,21 @@ def compile_iteration(run: Run, state: TrainState):
     if prompt_layout is not None:
         _check_process_rows(prompt_layout, run.num_prompts)
     return iteration, callback
+
+
+def episode_controls(run: Run) -> SampleControls:
+    """The run's controls with the env format's tool-call end as a stop sequence."""
+    fmt = get_format(run.cfg.env.format)
+    return multiturn.episode_controls(run.controls, run.tokenizer.encode(fmt.stop_sequence))
+
+
+def held_out_accuracy(run: Run, params) -> float:
+    """Greedy accuracy on the held-out split: single completions, or greedy episodes with the
+    env's tool when the run has an `[env]`."""
+    if run.env is None:
+        return greedy_accuracy(run.evaluator, params)
+    return episodes.episode_accuracy(run.evaluator, params, run.env, episodes.EpisodeOptions.from_section(run.cfg.env),
+                                     episode_controls(run))
 
 
 # ----------------------------------------------------------------------------- the steps
@@ -275,10 +376,11 @@ def preview_samples(run: Run, preview) -> list[SampleRecord]:
     decode = lambda tokens, masks: run.tokenizer.decode_batch(  # noqa: E731
         [t[m].tolist() for t, m in zip(tokens, masks)], skip_special=True)
     prompts = decode(p.prompt_tokens_kt, p.prompt_mask_kt)
+    examples = run.data.examples if run.sampler is None else run.sampler.examples
     completions = decode(p.completion_tokens_kc, p.completion_mask_kc)
     return [SampleRecord(prompt=q, completion=c, reward=float(p.rewards_k[i]),
                          reward_parts={name: float(v[i]) for name, v in p.reward_parts_k.items()},
-                         example_id=run.data.examples[int(p.prompt_index_k[i])].id)
+                         example_id=examples[int(p.prompt_index_k[i])].id)
             for i, (q, c) in enumerate(zip(prompts, completions))]
 
 
@@ -323,6 +425,14 @@ def _check_process_rows(layout: Layout, global_rows: int) -> None:
         raise ConfigError(f"process {jax.process_index()} loads prompt rows {got.start}:{got.stop} but its devices "
                           f"hold rows {want.start}:{want.stop} on mesh {dict(layout.mesh.shape)}; make the batch "
                           "axes (data x fsdp) a multiple of the process count")
+
+
+def _check_host_batching(cfg: TrainConfig) -> None:
+    """A host-steered iteration (mixture, resampling, replay) runs in one process for now: its
+    prompts are drawn on the host and placed whole on the mesh."""
+    if jax.process_count() > 1:
+        raise ConfigError("a mixture, selection policy, rl.resample_round_size or rl.replay runs in one process "
+                          "for now; use a single source without resampling or replay across processes")
 
 
 def _eval_params(params, run: Run):

@@ -5,23 +5,27 @@ Each builder is a plain function of the config so notebooks can call them one by
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 
-from rljax import rewards
+from rljax import envs, rewards
 from rljax.data.example import Example
-from rljax.data.sources import load_task
+from rljax.data.mixture import MixtureSource
+from rljax.data.selection import make_policy
+from rljax.data.sources import load_task, reasoning_gym_generator
 from rljax.data.splits import drop_overlap, heldout_split
-from rljax.data.templates import PromptFormat
+from rljax.data.templates import PromptFormat, render_prompt
 from rljax.errors import ConfigError
 from rljax.lora import LoraConfig, adapter_shapes, load_peft
 from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
 from rljax.sharding import Layout
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
-from rljax.train.config import DataSection, MeshSection, ModelSection, RewardSection, TrainConfig
+from rljax.train.config import (DataSection, EnvSection, MeshSection, ModelSection, RewardSection, SourceSection,
+                                TrainConfig)
 
 CHARS_PREFIX = "chars:"
 
@@ -98,8 +102,20 @@ def build_layouts(section: MeshSection):
     return trainer_layout(mesh), sampler_layout(sampler_mesh)
 
 
+def interleave(pools) -> tuple:
+    """Round-robin over the pools (a, b, a, b, ...), so any prefix mixes every source."""
+    out, pools = [], [list(p) for p in pools]
+    for i in range(max((len(p) for p in pools), default=0)):
+        out.extend(p[i] for p in pools if i < len(p))
+    return tuple(out)
+
+
 def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Example, ...], int]:
-    """(train, held-out eval, skipped rows). Eval questions never appear in train."""
+    """(train, held-out eval, skipped rows). Eval questions never appear in train. A mixture's
+    train set interleaves its sources' pools and its held-out set joins their splits."""
+    if section.sources:
+        sources = build_sources(section)
+        return interleave(s.train for s in sources), tuple(e for s in sources for e in s.held_out), 0
     if section.source == "reasoning_gym":
         src = load_task("reasoning_gym", name=section.task, size=section.size + section.eval_size,
                         seed=section.seed, **section.task_kwargs)
@@ -117,21 +133,113 @@ def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Examp
 
 
 def prompt_format(section: DataSection) -> PromptFormat:
-    return PromptFormat(template=section.prompt_template, chat=section.chat, system=section.system_prompt)
+    """The prompt format; a mixture bakes each source's template into its questions
+    (`build_sources`), so its format is the bare question (plus the chat wrapping)."""
+    template = "{question}" if section.is_mixture else section.prompt_template
+    return PromptFormat(template=template, chat=section.chat, system=section.system_prompt)
 
 
-def build_reward(section: RewardSection) -> rewards.RewardFn:
-    """`correct` (by kind) plus an optional weighted format term; parts are reported by name."""
+# Sources of a mixture draw from disjoint generator seed ranges: source j's pool is seeded
+# data.seed + j * SOURCE_SEED_STRIDE (reasoning-gym item i uses Random(seed + i)).
+SOURCE_SEED_STRIDE = 1_000_000
+
+
+def mixture_sections(section: DataSection) -> tuple[SourceSection, ...]:
+    """The mixture's sources: `[[data.sources]]`, or the single-source keys as a mixture of one."""
+    if section.sources:
+        return section.sources
+    if section.source not in ("reasoning_gym", "jsonl", "parquet"):
+        raise ConfigError(f"data.source={section.source!r} cannot be a mixture source; list it under "
+                          "[[data.sources]] as reasoning_gym, jsonl or parquet")
+    return (SourceSection(kind=section.source, task=section.task, task_kwargs=section.task_kwargs, path=section.path,
+                          fields=section.fields, size=section.size, eval_size=section.eval_size,
+                          prompt_template=section.prompt_template),)
+
+
+def build_sources(section: DataSection) -> tuple[MixtureSource, ...]:
+    """Each source's training pool and held-out split (by question text, as `build_splits`),
+    every example tagged with the source's name (its task). In a mixture (`is_mixture`) each
+    source's template is baked into its questions, as `prompt_format` expects."""
+    out = []
+    for j, src in enumerate(mixture_sections(section)):
+        seed = section.seed + j * SOURCE_SEED_STRIDE
+        template = (src.prompt_template or section.prompt_template) if section.is_mixture else "{question}"
+        fmt = PromptFormat(template=template)
+        if src.kind == "reasoning_gym":
+            pool = load_task("reasoning_gym", name=src.task, size=src.size + src.eval_size, seed=seed,
+                             **src.task_kwargs).examples
+        else:
+            pool = load_task(src.kind, path=src.path, fields=src.fields).examples
+        train, held = heldout_split(pool, src.eval_size, seed=seed)
+        tag = lambda e, fmt=fmt, name=src.label: dataclasses.replace(  # noqa: E731
+            e, question=e.question if e.messages is not None else render_prompt(e, fmt), task=name)
+        generate = None
+        if src.fresh:  # seeded right after the pool's range, so its items are new ones
+            raw = reasoning_gym_generator(src.task, seed + src.size + src.eval_size, **src.task_kwargs)
+            generate = lambda k, raw=raw, tag=tag: tag(raw(k))  # noqa: E731
+        out.append(MixtureSource(name=src.label, train=tuple(map(tag, train)), held_out=tuple(map(tag, held)),
+                                 level=src.level, weight=src.weight,
+                                 family=src.task if src.kind == "reasoning_gym" else src.label, generate=generate))
+    return tuple(out)
+
+
+def build_selection(section: DataSection, sources: tuple[MixtureSource, ...]):
+    """The selection policy with `selection_options`; weights, levels and families default to the
+    sources' own (a policy without such an option ignores them)."""
+    from rljax.data.selection import POLICIES
+
+    defaults = {"weights": tuple(s.weight for s in sources), "levels": tuple(s.level for s in sources),
+                "families": tuple(s.family for s in sources)}
+    known = {f.name for f in dataclasses.fields(POLICIES.get(section.selection))}
+    options = {k: v for k, v in defaults.items() if k in known}
+    if "weights" in options and len(set(options["weights"])) == 1:
+        options["weights"] = None  # equal weights: the policy's own default
+    return make_policy(section.selection, **{**options, **section.selection_options})
+
+
+def _correct_verifier(kind: str, section: RewardSection):
     limit = None if section.inline else section.time_limit_s
-    correct = {
+    return {
         "reasoning_gym": lambda: rewards.ReasoningGymAnswer(methods=section.answer_methods, time_limit_s=limit),
         "math": lambda: rewards.MathAnswer(methods=section.answer_methods, time_limit_s=limit),
         "code": lambda: rewards.CodeTests(),
-    }[section.kind]()
+    }[kind]()
+
+
+def build_reward(section: RewardSection, sources: tuple[SourceSection, ...] = ()) -> rewards.RewardFn:
+    """`correct` (by kind) plus an optional weighted format term; parts are reported by name.
+
+    With mixture `sources`, `correct` routes each row to its source's verifier (`verifier`, else
+    the reward's kind) by the task name its example carries (`rljax.rewards.RoutedVerifier`)."""
+    if sources:
+        correct = rewards.RoutedVerifier({s.label: _correct_verifier(s.verifier or section.kind, section)
+                                          for s in sources})
+    else:
+        correct = _correct_verifier(section.kind, section)
     terms: dict[str, Any] = {"correct": (1.0, correct)}
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
     return rewards.compose(**terms)
+
+
+def run_reward(cfg: TrainConfig) -> rewards.RewardFn:
+    """The run's reward: routed by task for a mixture, else the `[reward]` verifier."""
+    return build_reward(cfg.reward, mixture_sections(cfg.data) if cfg.data.is_mixture else ())
+
+
+def eval_split(cfg: TrainConfig, sources: tuple[MixtureSource, ...] | None = None) -> tuple[Example, ...]:
+    """The held-out problems a run evaluates on: the first `eval.size` of its split, or of each
+    source's split in a host-steered run (so every task is measured)."""
+    if not cfg.host_batching:
+        return build_splits(cfg.data)[1][:cfg.eval.size]
+    sources = build_sources(cfg.data) if sources is None else sources
+    return tuple(e for s in sources for e in s.held_out[:cfg.eval.size])
+
+
+def build_env(section: EnvSection) -> envs.Environment:
+    """The `[env]` section's environment (`rljax.envs.make_env`): its format and turn limit, plus
+    the section's `options` for the factory."""
+    return envs.make_env(section.name, format=section.format, max_turns=section.max_turns, **section.options)
 
 
 def lora_summary(lora: LoraConfig, cfg: ModelConfig, params: Any) -> str:

@@ -81,13 +81,36 @@ def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def stop_reason(accuracies: Sequence[float], *, target: float, patience: int, min_delta: float) -> str | None:
+    """Why the warm start stops after these validation checks, or None to go on.
+
+        "target": the last accuracy >= target (target > 0)
+        "plateau": the best accuracy has not risen by min_delta in the last `patience` checks
+                   (patience > 0), i.e. max(acc[-patience:]) < max(acc[:-patience]) + min_delta
+
+    The plateau rule makes the warm start robust to a target the task cannot reach within the
+    budget: without it such a task spends every step overfitting the warm-start pool (and the
+    budget RL would have had). A first check counts as an improvement over nothing.
+    """
+    if not accuracies:
+        return None
+    if target and accuracies[-1] >= target:
+        return "target"
+    if patience and len(accuracies) > patience:
+        if max(accuracies[-patience:]) < max(accuracies[:-patience]) + min_delta:
+            return "plateau"
+    return None
+
+
 def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt, key: jax.Array, *,
                    validation=None, log=print):
     """Up to `cfg.warm_start.steps` SFT steps on (prompt, reference answer + EOS) pairs; returns params.
 
     With `target_accuracy` > 0 the warm start stops as soon as greedy accuracy on `validation` (an
     `EvalSetup` over *training* problems, never the held-out split) reaches it, checked every
-    `check_every` steps, so RL starts from a policy that solves some problems but not most.
+    `check_every` steps, so RL starts from a policy that solves some problems but not most;
+    with `patience` > 0 it also stops when that accuracy plateaus (`stop_reason`). The reason it
+    stopped (target, plateau, time budget, step budget) is logged.
     Batches are drawn with a seed derived from `key`, so the warm start is deterministic.
     """
     from rljax.evaluation.runner import greedy_accuracy
@@ -105,20 +128,27 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
     opt_state = optimizer.init(params)
     nll = float("nan")
     start = time.perf_counter()
+    accuracies: list[float] = []
+    reason = f"step budget ({ws.steps} steps)"
     for i in range(ws.steps):
         if ws.max_seconds and time.perf_counter() - start > ws.max_seconds:
-            log(f"warm start stopped at step {i} after {ws.max_seconds:.0f} s")
+            reason = f"time budget ({ws.max_seconds:.0f} s) at step {i}"
             break
         idx = rng.integers(0, len(pairs.examples), ws.batch_size)
         tokens, attn, loss = pack_prompt_completion([pairs.prompt_ids[j] for j in idx],
                                                     [pairs.completion_ids[j] for j in idx], tokenizer.pad_id,
                                                     pairs.prompt_len, pairs.completion_len)
         params, opt_state, nll = step(params, opt_state, tokens, attn, loss)
-        if ws.target_accuracy and validation is not None and (i + 1) % ws.check_every == 0:
-            acc = greedy_accuracy(validation, params)
-            log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}, validation accuracy {acc:.3f}")
-            if acc >= ws.target_accuracy:
+        if (ws.target_accuracy or ws.patience) and validation is not None and (i + 1) % ws.check_every == 0:
+            accuracies.append(greedy_accuracy(validation, params))
+            log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}, validation accuracy {accuracies[-1]:.3f}")
+            why = stop_reason(accuracies, target=ws.target_accuracy, patience=ws.patience, min_delta=ws.min_delta)
+            if why is not None:
+                reason = (f"target accuracy {ws.target_accuracy:g} reached" if why == "target" else
+                          f"validation accuracy plateaued at {max(accuracies):.3f} ({ws.patience} checks without "
+                          f"+{ws.min_delta:g})") + f" at step {i + 1}"
                 break
         elif (i + 1) % max(ws.steps // 5, 1) == 0:
             log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}")
+    log(f"warm start stopped: {reason}")
     return params
