@@ -20,6 +20,7 @@ sampling), ``schedule`` (a piecewise easy-to-hard schedule over difficulty level
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -110,7 +111,7 @@ class SelectionState:
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectionPolicy:
+class SelectionPolicy(abc.ABC):
     """Base: i.i.d. task ids from `probs(state)`; subclasses define `probs` and `update`."""
 
     state_type = SelectionState
@@ -124,8 +125,9 @@ class SelectionPolicy:
     def check(self, num_tasks: int) -> None:
         """Validate the options against the task count (ConfigError)."""
 
+    @abc.abstractmethod
     def probs(self, state) -> np.ndarray:
-        raise NotImplementedError
+        """The task distribution, float ``[num_tasks]`` summing to 1."""
 
     def choose(self, state, batch_size: int) -> tuple[np.ndarray, Any]:
         """``batch_size`` task ids, int64, drawn i.i.d. from `probs(state)` with the seed's

@@ -19,8 +19,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -32,6 +30,7 @@ from rljax.errors import CheckpointError
 from rljax.lora.adapters import Adapters, _get, _set, adapter_shapes, targets_of
 from rljax.lora.config import TARGETS, LoraConfig, Target
 from rljax.models.config import ModelConfig
+from rljax.models.hf_io import written_into_place
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -86,17 +85,9 @@ def save_peft(cfg: ModelConfig, adapters: Adapters, lora: LoraConfig, path: str 
     """Writes `adapters` as a PEFT adapter directory that `PeftModel.from_pretrained` loads onto
     the HF export of the base model. Written next to `path` and renamed into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with written_into_place(path) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(lora, adapters, base_model), indent=2))
         save_file(peft_tensors(cfg, adapters), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -244,6 +244,22 @@ def _hf_tensors(cfg: ModelConfig, params: Params):
         yield "lm_head.weight", np.asarray(params["lm_head"])
 
 
+@contextlib.contextmanager
+def written_into_place(path: Path):
+    """Yields a fresh directory next to `path`; on a clean exit it replaces `path` (one rename),
+    on an error it is removed. A crash never leaves a half-written directory at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *,
             max_shard_bytes: int = 2 * 1024**3, extra_config: dict[str, Any] | None = None) -> Path:
     """Writes params as a HF checkpoint directory (config.json + safetensors, sharded if large).
@@ -252,9 +268,7 @@ def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *,
     half-written checkpoint.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with written_into_place(path) as tmp:
         hf_cfg = to_hf_dict(cfg)
         hf_cfg.update(extra_config or {})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
@@ -277,10 +291,4 @@ def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *,
             total = sum(a.nbytes for s in shards for a in s.values())
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path

@@ -40,9 +40,9 @@ from rljax.rewards.pool import VerifierPool
 from rljax.sampling import SampleControls
 from rljax.sampling import multiturn as MT
 from rljax.sharding import Layout
-from rljax.train.iteration import merge_metrics
+from rljax.train.iteration import fuse
 from rljax.train.rollout import PREVIEW_ROWS, RolloutPreview
-from rljax.update import RolloutBatch, TrainState, update
+from rljax.update import RolloutBatch
 
 _KIND_IDS = {"tool_call": MT.KIND_TOOL_CALL, "answer": MT.KIND_ANSWER, "void": MT.KIND_VOID}
 
@@ -257,19 +257,9 @@ def make_episode_iteration(controls: SampleControls, host: EpisodeHost, options:
                            layout: Layout | None = None) -> Callable:
     """`iteration(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (state, metrics, preview)`:
     episodes -> update as ONE jitted program, the state donated (as `make_iteration`)."""
-    def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
-        k_sample, k_update = jax.random.split(key)
-        batch, rollout_metrics, preview = episode_rollout(state.model_cfg, state.sampler_params(), prompt_tokens_pt,
-                                                          prompt_mask_pt, index_p, k_sample, controls=controls,
-                                                          host=host, options=options)
-        state, train_metrics = update(state, batch, k_update)
-        metrics = merge_metrics(rollout_metrics, train_metrics)
-        if layout is not None:
-            state = jax.lax.with_sharding_constraint(state, layout.tree(state))
-            metrics, preview = jax.lax.with_sharding_constraint((metrics, preview), layout.replicated)
-        return state, metrics, preview
-
-    return jax.jit(iteration, donate_argnums=(0,))
+    return fuse(lambda state, prompt_tokens_pt, prompt_mask_pt, index_p, key: episode_rollout(
+        state.model_cfg, state.sampler_params(), prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
+        host=host, options=options), layout=layout)
 
 
 

@@ -70,11 +70,18 @@ def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_g
     needs (`state.algo.needs`, static). With a `layout` (the trainer's), the new state comes back
     in it and the metrics and preview come back replicated (readable on every process)."""
     roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling)
+    return fuse(lambda state, *prompts_and_key: roll(state.model_cfg, state.algo.needs, state.sampler_params(),
+                                                      *prompts_and_key), layout=layout)
+
+
+def fuse(rollout_of: Callable, *, layout: Layout | None = None):
+    """`rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (batch, metrics,
+    preview)` followed by the update, as ONE jitted program with the state donated (the form
+    `make_iteration` and the multi-turn episode iteration share)."""
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         k_sample, k_update = jax.random.split(key)
-        batch, rollout_metrics, preview = roll(state.model_cfg, state.algo.needs, state.sampler_params(),
-                                               prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
+        batch, rollout_metrics, preview = rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
         state, train_metrics = update(state, batch, k_update)
         metrics = merge_metrics(rollout_metrics, train_metrics)
         if layout is not None:
