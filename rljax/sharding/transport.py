@@ -22,19 +22,23 @@ already runs (the coordinator), with plain string keys under `rljax/transport/{c
   The producer bounds the queue by reading the consumer's count (`consumed`).
 
 Every blocking call takes a timeout and raises `TransportTimeout` with the channel and what it
-waited for, so a dead peer stops the run instead of hanging it.
+waited for, so a dead peer stops the run instead of hanging it. A process waiting on anything
+keeps answering its own readers' requests (no thread: the waits poll the store), so a trainer
+waiting for a rollout still serves the weights that rollout's sampler asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
 import zlib
 from typing import Any, Protocol
 
 import jax
 
 _PREFIX = "rljax/transport"
+_POLL_S = 0.002  # between polls of the store while waiting
 
 
 class TransportTimeout(RuntimeError):
@@ -88,8 +92,10 @@ class Transport:
     _connections: dict[int, Any] = dataclasses.field(default_factory=dict)
     _latest: dict[str, tuple[int, Any]] = dataclasses.field(default_factory=dict)  # channel -> (version, tree)
     _answered: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)  # (channel, reader) -> request
+    _sent: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)  # (channel, reader) -> version
     _requested: dict[str, int] = dataclasses.field(default_factory=dict)  # channel -> this reader's request
     _have: dict[str, int] = dataclasses.field(default_factory=dict)  # channel -> version this reader holds
+    _readers: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # channel -> its readers
 
     @classmethod
     def start(cls, *, host: str = "127.0.0.1", store: KeyValueStore | None = None, process: int | None = None,
@@ -110,11 +116,13 @@ class Transport:
         with it; returns how many requests it answered. Non-blocking: the bytes move when each
         reader pulls."""
         self._latest[channel] = (version, tree)
+        self._readers[channel] = tuple(readers)
         return self.serve_requests(channel, readers=readers)
 
     def serve_requests(self, channel: str, *, readers: tuple[int, ...]) -> int:
-        """Answers each reader whose request is newer than the last one answered (no-op when
-        nothing was published yet)."""
+        """Answers each reader whose request is newer than the last one answered, when the
+        newest version is newer than the one that reader was last sent (no-op when nothing was
+        published yet)."""
         if channel not in self._latest:
             return 0
         version, tree = self._latest[channel]
@@ -123,11 +131,14 @@ class Transport:
             posted = _try_get(self.store, f"{_PREFIX}/{channel}/request/{reader}")
             if posted is None or int(posted) <= self._answered.get((channel, reader), -1):
                 continue
+            if version <= self._sent.get((channel, reader), -1):
+                continue  # the reader holds this version: its request waits for the next one
             request = int(posted)
             self.server.await_pull(transfer_id(channel, reader, request), tree)
             self.store.key_value_set(f"{_PREFIX}/{channel}/answer/{reader}/{request}", f"{version}:{self.process}",
                                      allow_overwrite=True)
             self._answered[(channel, reader)] = request
+            self._sent[(channel, reader)] = version
             served += 1
         return served
 
@@ -179,11 +190,20 @@ class Transport:
     # ------------------------------------------------------------------ plumbing
 
     def _wait(self, key: str, *, what: str) -> str:
-        try:
-            return self.store.blocking_key_value_get(key, int(self.timeout_s * 1000))
-        except Exception as e:  # the client raises DEADLINE_EXCEEDED
-            raise TransportTimeout(f"no {what} at {key} within {self.timeout_s:.0f} s: the peer process died or "
-                                   "never started; check its log") from e
+        """Polls `key` until it exists, answering this process's own readers meanwhile (a process
+        that waits for a rollout must still serve the weights the rollout's sampler asked for,
+        or the two wait for each other)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            value = _try_get(self.store, key)
+            if value is not None:
+                return value
+            for channel, readers in self._readers.items():
+                self.serve_requests(channel, readers=readers)
+            if time.monotonic() > deadline:
+                raise TransportTimeout(f"no {what} at {key} within {self.timeout_s:.0f} s: the peer process died or "
+                                       "never started; check its log")
+            time.sleep(_POLL_S)
 
     def _pull(self, process: int, uid: int, like):
         connection = self._connections.get(process)
