@@ -49,9 +49,12 @@ def test_params_and_rollouts_cross_processes_exactly_and_in_version_order():
     queue channel. Every rollout arrives, in order, computed from exactly the version it names
     (its params sum equals the sum of that version's values: a pull into the wrong buffer, a
     stale offer served for a new request, or a lost item changes it).
-    Catches: answering a request with an older tree than the version it names, a queue item
-    pulled under another item's id, a reader that never sees a new version."""
-    done = _run_pair()
+    The sampler starts 1 s late, so the trainer publishes version 0 before anyone asked and then
+    waits for rollout 0: it must answer the late request while it waits.
+    Catches: answering a request with an older tree than the version it names (or with the
+    version the reader already holds, which leaves it on version 0), a queue item pulled under
+    another item's id, a trainer that serves only when it publishes (both sides wait: timeout)."""
+    done = _run_pair(PEER_SAMPLER_DELAY_S="1", PEER_TIMEOUT_S="30")
     for p in done:
         assert p.returncode == 0, p.stdout[-3000:]
     line = next(x for x in done[0].stdout.splitlines() if x.startswith("{"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ def main() -> None:
             got.append({key: float(v) for key, v in jax.device_get(item).items()})
         print(json.dumps({"received": got}), flush=True)
     else:
+        time.sleep(float(os.environ.get("PEER_SAMPLER_DELAY_S", "0")))  # the trainer publishes first
         like = params_of(0, device)
         version, params = transport.latest("weights", like, block=True)
         for k in range(K):
