@@ -194,7 +194,7 @@ def turn_returns(episodes: MT.Episodes, gamma: float) -> jax.Array:
     """returns_bn: each model token gets its turn's discounted return G_k = sum_{j >= k}
     gamma^(j - k) r_j (`rljax.envs.discounted_turn_returns`); other tokens 0."""
     g_bk = envs.discounted_turn_returns(episodes.turn_rewards_bk, gamma)
-    return envs.turn_values_to_tokens(g_bk, envs.turn_index(episodes.author_bn))
+    return envs.turn_values_to_tokens(g_bk, model_turns(episodes))
 
 
 @flax.struct.dataclass
@@ -221,15 +221,17 @@ def episodes_to_batch(prompt_tokens_bt, prompt_mask_bt, episodes: MT.Episodes, *
     zeros = jnp.zeros(prompt_mask.shape, jnp.float32)
     g_bk = envs.discounted_turn_returns(episodes.turn_rewards_bk, options.turn_discount)
     groups = prompt_tokens_bt.shape[0]
+    turns = None
+    if options.credit == "turn":
+        prompt_turns = jnp.full(prompt_mask.shape, -1, jnp.int32)
+        turns = TurnReturns(jnp.concatenate([prompt_turns, model_turns(episodes)], axis=1), g_bk)
     batch = RolloutBatch(
         tokens_bt=jnp.concatenate([prompt_tokens, episodes.tokens_bn], axis=1),
         attn_mask_bt=jnp.concatenate([prompt_mask, episodes.author_bn != PAD], axis=1),
         loss_mask_bt=jnp.concatenate([zeros.astype(bool), model_bn], axis=1),
         sampler_logp_bt=jnp.concatenate([zeros, episodes.logprobs_bn], axis=1),
         rewards_b=g_bk[:, 0], group_ids_b=jnp.repeat(jnp.arange(groups), n),
-        completion_len=episodes.tokens_bn.shape[1], turn_returns=None if options.credit == "episode" else
-        TurnReturns(jnp.concatenate([jnp.full(prompt_mask.shape, -1, jnp.int32), model_turns(episodes)], axis=1),
-                    g_bk))
+        completion_len=episodes.tokens_bn.shape[1], turn_returns=turns)
     return EpisodeBatch(batch, episodes, keep_b)
 
 
