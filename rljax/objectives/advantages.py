@@ -88,8 +88,8 @@ def grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, turn_bt
     """
     if turn_bt is not None or turn_returns_bk is not None:
         if token_rewards_bt is not None:
-            raise ConfigError("turn-level credit does not fold a per-token reward (algorithm.kl_in_reward) into "
-                              "its turn returns; set algorithm.kl_in_reward=false (a KL loss term) or env.credit='episode'")
+            raise ConfigError("turn-level credit does not fold a per-token reward (algorithm.kl_in_reward) into its "
+                              "turn returns; set algorithm.kl_in_reward=false (a KL loss) or env.credit='episode'")
         return turn_group_advantages(turn_bt, turn_returns_bk, group_ids_b, loss_mask_bt,
                                      std_normalize=std_normalize, eps=eps)
     r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
