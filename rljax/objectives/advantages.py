@@ -3,7 +3,8 @@
 All estimators share one signature so the update step finds them by name:
 
     fn(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, baseline_b=None,
-       values_bt=None, gamma=1.0, lam=1.0, std_normalize=True, eps=1e-6) -> adv_bt
+       values_bt=None, turn_bt=None, turn_returns_bk=None, gamma=1.0, lam=1.0,
+       std_normalize=True, eps=1e-6) -> adv_bt
 
 `group_ids_b` holds integers in [0, B) naming each row's prompt group (rows of one prompt share
 an id). `token_rewards_bt` is an optional dense per-token reward such as -beta * KL (KL folded
@@ -13,14 +14,22 @@ estimator gives them exactly zero advantage (no 0/0 NaN), and `zero_variance_gro
 The exception is reinforce_pp_baseline: its zero is then whitened with the rest of the batch, which
 shifts it by -mean / std, as in verl and the paper.
 
+`turn_bt` / `turn_returns_bk` are multi-turn episodes' turn-level credit (`env.credit = "turn"`):
+each loss token's model turn and each turn's discounted return-to-go. An estimator that names
+them in its signature uses them (`takes_turn_returns`: grpo and dr_grpo, see
+`turn_group_advantages`); the update step refuses them for any other estimator.
+
 `whiten_advantages` is the batch whitening on its own, for PPO's GAE advantages.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 
+from rljax.errors import ConfigError
 from rljax.objectives.registry import ADVANTAGES
 
 
@@ -69,12 +78,20 @@ def _to_tokens(adv_b, loss_mask_bt):
 
 
 @ADVANTAGES.register("grpo")
-def grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, std_normalize=True,
-         eps=1e-6, **_):
+def grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, turn_bt=None, turn_returns_bk=None,
+         std_normalize=True, eps=1e-6, **_):
     """A_i = (r_i - mean_g r) / (std_g r + eps), std optional (GRPO, DeepSeekMath, Shao et al. 2024).
 
-    std is the unbiased group standard deviation; zero-variance groups give A = 0.
+    std is the unbiased group standard deviation; zero-variance groups give A = 0. Given
+    `turn_bt` and `turn_returns_bk` (multi-turn episodes, `env.credit = "turn"`), the same
+    normalisation per turn index instead: `turn_group_advantages`.
     """
+    if turn_bt is not None or turn_returns_bk is not None:
+        if token_rewards_bt is not None:
+            raise ConfigError("turn-level credit does not fold a per-token reward (algorithm.kl_in_reward) into its "
+                              "turn returns; set algorithm.kl_in_reward=false (a KL loss) or env.credit='episode'")
+        return turn_group_advantages(turn_bt, turn_returns_bk, group_ids_b, loss_mask_bt,
+                                     std_normalize=std_normalize, eps=eps)
     r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
     _, _, mean_b, std_b, flat_b = _group_stats(r_b, group_ids_b)
     adv_b = r_b - mean_b
@@ -84,11 +101,13 @@ def grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, std_nor
 
 
 @ADVANTAGES.register("dr_grpo")
-def dr_grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, **_):
+def dr_grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, turn_bt=None, turn_returns_bk=None,
+            **_):
     """A_i = r_i - mean_g r: GRPO without the std division (Dr. GRPO, *Understanding R1-Zero-like
-    training*, Liu et al. 2025), which removes the bias toward easy or hard prompts."""
-    return grpo(rewards_b, group_ids_b, loss_mask_bt, token_rewards_bt=token_rewards_bt,
-                std_normalize=False)
+    training*, Liu et al. 2025), which removes the bias toward easy or hard prompts. Per turn
+    index with `turn_bt` / `turn_returns_bk` (`turn_group_advantages`, std_normalize=False)."""
+    return grpo(rewards_b, group_ids_b, loss_mask_bt, token_rewards_bt=token_rewards_bt, turn_bt=turn_bt,
+                turn_returns_bk=turn_returns_bk, std_normalize=False)
 
 
 @ADVANTAGES.register("rloo")
@@ -115,6 +134,77 @@ def reinforce(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, **
     """A_i = r_i - mean_batch r: plain REINFORCE (Williams, 1992) with a batch-mean baseline."""
     r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
     return _to_tokens(r_b - jnp.mean(r_b), loss_mask_bt)
+
+
+# ----------------------------------------------------------------------------- turn-level
+
+
+def turn_group_advantages(turn_bt, turn_returns_bk, group_ids_b, loss_mask_bt, *, std_normalize: bool = True,
+                          eps: float = 1e-6):
+    """Turn-level credit for multi-turn episodes: every token of model turn k of episode i gets
+
+        A_{i,k} = (G_{i,k} - mean_{j in R} G_{j,k}) / (std_{j in R} G_{j,k} + eps),
+        R = the episodes of i's prompt group that reached turn k,
+
+    with G_{i,k} = sum_{j >= k} gamma^(j - k) r_{i,j} the turn's discounted return-to-go (the
+    rollout computes it, `rljax.envs.discounted_turn_returns`, gamma = `env.turn_discount`). std
+    is unbiased and optional (`std_normalize`), as in `grpo`. A turn index that only one episode
+    of its group reached, or whose episodes all have equal returns, gives A = 0.
+
+    Why a critic-free turn baseline. ArCHer (Zhou et al., 2024, *ArCHer: Training Language Model
+    Agents via Hierarchical Multi-Turn RL*) credits a turn with the rewards that follow it and
+    learns a turn-level critic as its baseline. A GRPO group already holds n episodes of the same
+    prompt, so those that reached turn k are an empirical baseline for it: no second network, and
+    no untrained critic at the start of RL. Whether an episode reaches turn k depends on its
+    earlier turns only, not on turn k's action, so conditioning the baseline on it keeps GRPO's
+    estimator (which also keeps the sample's own 1/n share of the mean).
+
+    Why not MT-GRPO (Zeng et al., 2025, *Reinforcing Multi-Turn Reasoning in LLM Agents via
+    Turn-Level Credit Assignment*): there A = A^turn_k + lambda * A^outcome on a tool turn and
+    A^outcome on the final turn, each a group-normalised reward. It assumes every episode of the
+    group has the same turns (a tool turn, then the answer), adds lambda, and with no per-turn
+    reward it is GRPO again. The return-to-go form takes groups whose episodes end at different
+    turns, and with gamma = 1 and only a final reward turn 0 is exactly GRPO (G_{i,0} = R_i) while
+    a later turn is compared with the siblings that also got there (among the episodes that
+    called the tool, those that then answered right against those that did not). gamma < 1 credits
+    an earlier turn with gamma^d of a reward d turns later, so a correct answer in fewer turns
+    scores higher at turn 0.
+
+    A = 0 on a turn no sibling reached: nothing from the same point compares with it (as GRPO and
+    RLOO give a group of one zero). The choice that led there is still credited at the earlier
+    turns, which the siblings share.
+
+    turn_bt: int [B, T], the model turn (0..K-1) of each token, -1 on the prompt, the
+    environment's tokens and padding (their advantage is exactly 0; with the loss mask 0 there they
+    count in no aggregation denominator). turn_returns_bk: f32 [B, K], G_{b,k}; values at turns a
+    row did not reach are ignored. A row with an all-False loss mask (a void-filtered episode)
+    still counts in its group's baselines, as `grpo`'s group statistics count every row.
+    """
+    b, k = turn_returns_bk.shape
+    g_bk = turn_returns_bk.astype(jnp.float32)
+    turn_bt = turn_bt.astype(jnp.int32)
+    slot_bt = jnp.clip(turn_bt, 0, k - 1)
+    rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], turn_bt.shape)
+    reached_bk = jnp.zeros((b, k), bool).at[rows_bt, slot_bt].max(turn_bt >= 0)
+    w_bk = reached_bk.astype(jnp.float32)
+    seg = lambda v: jax.ops.segment_sum(v, group_ids_b, num_segments=b)[group_ids_b]  # noqa: E731
+    n_bk = seg(w_bk)
+    mean_bk = seg(g_bk * w_bk) / jnp.maximum(n_bk, 1.0)
+    var_bk = seg(jnp.square(g_bk - mean_bk) * w_bk) / jnp.maximum(n_bk - 1.0, 1.0)
+    gmax_bk = jax.ops.segment_max(jnp.where(reached_bk, g_bk, -jnp.inf), group_ids_b, num_segments=b)[group_ids_b]
+    gmin_bk = jax.ops.segment_min(jnp.where(reached_bk, g_bk, jnp.inf), group_ids_b, num_segments=b)[group_ids_b]
+    adv_bk = g_bk - mean_bk
+    if std_normalize:
+        adv_bk = adv_bk / (jnp.sqrt(var_bk) + eps)
+    adv_bk = jnp.where(reached_bk & (gmax_bk != gmin_bk), adv_bk, 0.0)
+    adv_bt = jnp.where(turn_bt >= 0, jnp.take_along_axis(adv_bk, slot_bt, axis=1), 0.0)
+    return adv_bt * loss_mask_bt.astype(jnp.float32)
+
+
+def takes_turn_returns(advantage: str) -> bool:
+    """Whether the estimator registered as `advantage` uses turn-level credit: it names
+    `turn_returns_bk` in its signature (read from the function, so it cannot drift from it)."""
+    return "turn_returns_bk" in inspect.signature(ADVANTAGES.get(advantage)).parameters
 
 
 # ----------------------------------------------------------------------------- token-level

@@ -340,7 +340,9 @@ class EnvSection:
     does not apply), `max_observation_tokens` the cap on one observation (cut with
     `truncation_marker`, which the tokenizer must spell). `void_turn_filter` drops trajectories
     with a void turn from the loss (SimpleTIR); `turn_discount` is gamma of the episode return
-    sum_k gamma^k r_k over its turns (1: the plain sum).
+    sum_k gamma^k r_k over its turns (1: the plain sum). `credit` is "episode" (every model token
+    of an episode gets its return's advantage) or "turn" (turn k's tokens get the advantage of its
+    return-to-go against the group's episodes that reached turn k; needs advantage grpo or dr_grpo).
     """
 
     name: str | None = None
@@ -351,6 +353,7 @@ class EnvSection:
     truncation_marker: str = "..."
     void_turn_filter: bool = True
     turn_discount: float = 1.0
+    credit: Literal["episode", "turn"] = "episode"
     options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

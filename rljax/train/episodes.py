@@ -13,9 +13,12 @@ limits, failures as error observations) and encodes the observations, cut to
 Reward. The episode's return is sum_k gamma^k r_k over its turns (`turn_discount` = gamma;
 `rljax.envs.discounted_turn_returns` at turn 0), with r_k the turn's reward from the environment
 (a per-turn reward, plus the answer's score on the answer turn). gamma = 1 (the default) is the
-plain episode reward. The per-token turn returns G_k (ArCHer-style turn credit, Zhou et al., 2024)
-are computed by `turn_returns` for objectives that take per-token rewards; the update step's
-advantages today take one reward per row.
+plain episode reward. Credit (`credit`): "episode" gives every model token of an episode the
+advantage of its return; "turn" also hands the update each turn's return-to-go
+G_k = sum_{j >= k} gamma^(j - k) r_j and each token's turn (`RolloutBatch.turn_returns`), so
+turn k's tokens are credited with what followed them against the siblings that reached turn k
+(ArCHer-style turn credit, Zhou et al., 2024, without a critic: `rljax.objectives.advantages.
+turn_group_advantages`).
 
 `make_episode_iteration` is `rljax.train.iteration.make_iteration` with this rollout: sample,
 score, update as ONE program.
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import envs
-from rljax.envs.masks import PAD
+from rljax.envs.masks import MODEL, PAD
 from rljax.errors import ConfigError, DataError
 from rljax.evaluation.runner import EvalSetup
 from rljax.rewards.pool import VerifierPool
@@ -43,6 +46,7 @@ from rljax.sharding import Layout
 from rljax.train.iteration import fuse
 from rljax.train.rollout import PREVIEW_ROWS, RolloutPreview
 from rljax.update import RolloutBatch
+from rljax.update.batch import TurnReturns
 
 _KIND_IDS = {"tool_call": MT.KIND_TOOL_CALL, "answer": MT.KIND_ANSWER, "void": MT.KIND_VOID}
 
@@ -58,6 +62,8 @@ class EpisodeOptions:
       the tokenizer's encoding of `truncation_marker`.
     void_turn_filter: drop trajectories with a void turn from the loss (SimpleTIR).
     turn_discount: gamma of the episode return sum_k gamma^k r_k (1: the sum of turn rewards).
+    credit: "episode" (one advantage per episode, from its return) or "turn" (per turn, from the
+      turn's return-to-go; the batch carries `TurnReturns`).
     """
 
     max_turns: int = 3
@@ -66,7 +72,11 @@ class EpisodeOptions:
     truncation_marker: str = "..."
     void_turn_filter: bool = True
     turn_discount: float = 1.0
+    credit: str = "episode"
 
+    def __post_init__(self):
+        if self.credit not in ("episode", "turn"):
+            raise ConfigError(f"env.credit={self.credit!r}; choose 'episode' or 'turn'")
 
     @classmethod
     def from_section(cls, section: Any) -> EpisodeOptions:
@@ -174,11 +184,17 @@ class EpisodeHost:
         return seconds
 
 
+def model_turns(episodes: MT.Episodes) -> jax.Array:
+    """turn_bn: the model turn (0, 1, ...) of each model token, from the sampler's own turn record
+    (so a turn stays one even after an empty observation); -1 on the environment's tokens and PAD."""
+    return jnp.where(episodes.author_bn == MODEL, episodes.turn_bn, -1)
+
+
 def turn_returns(episodes: MT.Episodes, gamma: float) -> jax.Array:
     """returns_bn: each model token gets its turn's discounted return G_k = sum_{j >= k}
     gamma^(j - k) r_j (`rljax.envs.discounted_turn_returns`); other tokens 0."""
     g_bk = envs.discounted_turn_returns(episodes.turn_rewards_bk, gamma)
-    return envs.turn_values_to_tokens(g_bk, envs.turn_index(episodes.author_bn))
+    return envs.turn_values_to_tokens(g_bk, model_turns(episodes))
 
 
 @flax.struct.dataclass
@@ -193,7 +209,10 @@ class EpisodeBatch:
 def episodes_to_batch(prompt_tokens_bt, prompt_mask_bt, episodes: MT.Episodes, *, num_samples: int,
                       options: EpisodeOptions) -> EpisodeBatch:
     """A `RolloutBatch` of prompt + episode rows: loss on model tokens only, void-turn
-    trajectories dropped from the loss (when the filter is on), reward = the episode's return."""
+    trajectories dropped from the loss (when the filter is on), reward = the episode's return;
+    with `credit="turn"` also each token's turn and each turn's return-to-go (`TurnReturns`;
+    a filtered episode keeps its turns, so it counts in its group's baselines as its reward does
+    in the episode-credit group statistics)."""
     n = num_samples
     prompt_tokens = jnp.repeat(prompt_tokens_bt, n, axis=0)
     prompt_mask = jnp.repeat(prompt_mask_bt.astype(bool), n, axis=0)
@@ -202,13 +221,17 @@ def episodes_to_batch(prompt_tokens_bt, prompt_mask_bt, episodes: MT.Episodes, *
     zeros = jnp.zeros(prompt_mask.shape, jnp.float32)
     g_bk = envs.discounted_turn_returns(episodes.turn_rewards_bk, options.turn_discount)
     groups = prompt_tokens_bt.shape[0]
+    turns = None
+    if options.credit == "turn":
+        prompt_turns = jnp.full(prompt_mask.shape, -1, jnp.int32)
+        turns = TurnReturns(jnp.concatenate([prompt_turns, model_turns(episodes)], axis=1), g_bk)
     batch = RolloutBatch(
         tokens_bt=jnp.concatenate([prompt_tokens, episodes.tokens_bn], axis=1),
         attn_mask_bt=jnp.concatenate([prompt_mask, episodes.author_bn != PAD], axis=1),
         loss_mask_bt=jnp.concatenate([zeros.astype(bool), model_bn], axis=1),
         sampler_logp_bt=jnp.concatenate([zeros, episodes.logprobs_bn], axis=1),
         rewards_b=g_bk[:, 0], group_ids_b=jnp.repeat(jnp.arange(groups), n),
-        completion_len=episodes.tokens_bn.shape[1])
+        completion_len=episodes.tokens_bn.shape[1], turn_returns=turns)
     return EpisodeBatch(batch, episodes, keep_b)
 
 

@@ -22,11 +22,24 @@ import jax.numpy as jnp
 
 from rljax.errors import ConfigError
 from rljax.models import token_logprobs, values
-from rljax.objectives.advantages import whiten_advantages, zero_variance_groups
+from rljax.objectives.advantages import takes_turn_returns, whiten_advantages, zero_variance_groups
 from rljax.objectives.kl import kl
 from rljax.objectives.registry import ADVANTAGES, OFF_POLICY
 
 sg = jax.lax.stop_gradient
+
+
+@flax.struct.dataclass
+class TurnReturns:
+    """Turn-level credit's inputs from a multi-turn rollout (`env.credit = "turn"`).
+
+    turn_bt: int32 [B, T], the model turn (0..K-1) each token belongs to, -1 on the prompt, the
+    environment's tokens and padding; returns_bk: f32 [B, K], each turn's discounted return-to-go
+    G_k = sum_{j >= k} gamma^(j - k) r_j (`rljax.envs.discounted_turn_returns`).
+    """
+
+    turn_bt: jax.Array
+    returns_bk: jax.Array
 
 
 @flax.struct.dataclass
@@ -41,7 +54,9 @@ class RolloutBatch:
     constant length of Dr. GRPO's aggregation and the scale of the length penalty.
     Declared needs (`AlgorithmConfig.needs`): baseline_rewards_b, the greedy response's reward
     (ReMax); old_values_bt, V(state before token t) from the rollout's value model (computed by
-    `prepare_batch` when absent).
+    `prepare_batch` when absent). turn_returns: turn-level credit (`TurnReturns`), from a
+    multi-turn rollout with `env.credit = "turn"`, for an estimator that takes it
+    (`rljax.objectives.advantages.takes_turn_returns`); None: one reward per row.
     """
 
     tokens_bt: jax.Array
@@ -53,6 +68,7 @@ class RolloutBatch:
     completion_len: int = flax.struct.field(pytree_node=False)
     baseline_rewards_b: jax.Array | None = None
     old_values_bt: jax.Array | None = None
+    turn_returns: TurnReturns | None = None
 
 
 @flax.struct.dataclass
@@ -97,11 +113,17 @@ def _chunked(fn, chunks: int, *arrays):
 ROLLOUT_FIELDS = {"greedy_baseline": "baseline_rewards_b"}
 
 
-def _check_provides(algo, batch: RolloutBatch) -> None:
+def _check_provides(algo, shaping, batch: RolloutBatch) -> None:
     for need, field in ROLLOUT_FIELDS.items():
         if getattr(algo.needs, need) and getattr(batch, field) is None:
             raise ConfigError(f"advantage={algo.advantage!r} declares the need {need!r}, but batch.{field} is None: "
                               "build the batch with rljax.train.rollout (it reads state.algo.needs)")
+    if batch.turn_returns is not None and not takes_turn_returns(algo.advantage):
+        raise ConfigError(f"env.credit='turn' needs an advantage that takes turn returns (grpo, dr_grpo), not "
+                          f"algorithm.advantage={algo.advantage!r}; change the algorithm or set env.credit='episode'")
+    if batch.turn_returns is not None and shaping.active:
+        raise ConfigError("env.credit='turn' reads per-turn returns, which the [shaping] length terms do not reach; "
+                          "remove [shaping] or set env.credit='episode'")
 
 
 def _masked_mean(x_b, weight_b):
@@ -126,7 +148,7 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     Metrics (`train/...`) cover the rows the loss sees (non-empty loss masks), after shaping.
     """
     cfg, algo, schedule = state.model_cfg, state.algo, state.update_cfg
-    _check_provides(algo, batch)
+    _check_provides(algo, state.shaping, batch)
     needs = algo.needs
     f32 = jnp.float32
     mask = batch.loss_mask_bt.astype(f32)
@@ -166,9 +188,12 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
         if old_values is None:
             old_values = _chunked(lambda t, a: state_values(cfg, critic, t, a), chunks, toks, attn)
         old_values = sg(old_values.astype(f32))
+    turns = {} if batch.turn_returns is None else dict(turn_bt=batch.turn_returns.turn_bt,
+                                                       turn_returns_bk=batch.turn_returns.returns_bk)
     adv = ADVANTAGES.get(algo.advantage)(
         rewards_b, batch.group_ids_b, mask, token_rewards_bt=token_rewards, baseline_b=batch.baseline_rewards_b,
-        values_bt=old_values, gamma=algo.gamma, lam=algo.lam, std_normalize=algo.std_normalize, eps=algo.eps)
+        values_bt=old_values, gamma=algo.gamma, lam=algo.lam, std_normalize=algo.std_normalize, eps=algo.eps,
+        **turns)
     returns = None if old_values is None else sg(adv + old_values)  # value targets from raw advantages
     if algo.whiten_advantages:
         adv = whiten_advantages(adv, mask)
