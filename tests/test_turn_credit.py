@@ -207,6 +207,13 @@ def test_turn_credit_refuses_what_it_cannot_use_in_one_line(params):
     with pytest.raises(ConfigError, match="credit"):
         load_config(None, ["env.credit=token"])
     assert load_config(None, ["env.credit=turn"]).env.credit == "turn"
+    # refused at load, before any warm start, when the run has an env
+    assert load_config("tool_products", ["env.credit=turn"]).env.credit == "turn"
+    for override, match in (("algorithm.algorithm=rloo", "needs an advantage"),
+                            ("shaping.length_penalty=0.1", "shaping")):
+        with pytest.raises(ConfigError, match=match) as err:
+            load_config("tool_products", ["env.credit=turn", override])
+        assert "\n" not in str(err.value)
 
 
 # ----------------------------------------------------------------------------- one fused iteration

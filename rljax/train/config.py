@@ -17,6 +17,7 @@ from rljax.errors import ConfigError
 from rljax.lora import LoraConfig
 from rljax.storage import copy_locally_hint, is_remote
 from rljax.objectives.config import AlgorithmConfig
+from rljax.objectives.advantages import takes_turn_returns
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig
 from rljax.update import UpdateConfig
@@ -416,9 +417,21 @@ class TrainConfig:
         if self.env.enabled and self.host_batching:
             raise ConfigError("env: multi-turn rollouts do not combine with a mixture, resampling or replay yet; "
                               "remove [[data.sources]]/data.selection, rl.resample_round_size and rl.replay, or [env]")
+        if self.env.enabled and self.env.credit == "turn":
+            self._check_turn_credit()
         if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
                               f"update.num_minibatches * num_microbatches = {self.update.chunks}")
+
+    def _check_turn_credit(self) -> None:
+        """`env.credit="turn"` needs an estimator that takes turn returns, and rewards the rollout
+        alone produces: refused at load, before the warm start, rather than at the first compile."""
+        if not takes_turn_returns(self.algorithm.advantage):
+            raise ConfigError(f"env.credit='turn' needs an advantage estimator that takes turn returns (grpo, "
+                              f"dr_grpo), not {self.algorithm.advantage!r}; set env.credit='episode' or change it")
+        if self.algorithm.kl_in_reward or self.shaping.active:
+            raise ConfigError("env.credit='turn' computes advantages from the env's turn rewards; it does not combine "
+                              "with algorithm.kl_in_reward or [shaping]: drop them or set env.credit='episode'")
 
     @property
     def host_batching(self) -> bool:
