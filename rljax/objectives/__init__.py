@@ -9,8 +9,8 @@ loss, off-policy corrections and reward transforms, each registered by name.
 
 from rljax.objectives.advantages import (dense_rewards, dr_grpo, gae, gae_from_rewards, grpo,
                                          prompt_major_group_ids, reinforce, reinforce_pp,
-                                         reinforce_pp_baseline, remax, rloo, whiten_advantages,
-                                         zero_variance_groups)
+                                         reinforce_pp_baseline, remax, rloo, takes_turn_returns,
+                                         turn_group_advantages, whiten_advantages, zero_variance_groups)
 from rljax.objectives.aggregation import aggregate, aggregate_parts
 from rljax.objectives.config import PRESETS, AlgorithmConfig, RolloutNeeds
 from rljax.objectives.kl import abs_kl, k1, k2, k3, k3_plus, kl
@@ -25,7 +25,7 @@ __all__ = [
     "ROLLOUT_NEEDS", "AlgorithmConfig", "RolloutNeeds", "PRESETS", "RewardShaping",
     "grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae",
     "gae_from_rewards", "whiten_advantages", "dense_rewards", "prompt_major_group_ids",
-    "zero_variance_groups",
+    "zero_variance_groups", "turn_group_advantages", "takes_turn_returns",
     "ppo_clip", "policy_gradient", "gspo", "cispo", "topr", "value_loss", "truncated_is", "masked_is",
     "clamped_ratio", "LOG_RATIO_CLAMP",
     "kl", "k1", "k2", "k3", "k3_plus", "abs_kl", "aggregate", "aggregate_parts", "overlong_penalty",

@@ -7,13 +7,14 @@
 `microbatch_loss` are public, so a notebook can run any stage on its own.
 """
 
-from rljax.update.batch import PreparedBatch, RolloutBatch, logp_mismatch, prepare_batch, state_values
+from rljax.update.batch import (PreparedBatch, RolloutBatch, TurnReturns, logp_mismatch, prepare_batch,
+                                state_values)
 from rljax.update.config import UpdateConfig
 from rljax.update.loss import aggregation_denominator, microbatch_loss
 from rljax.update.step import TrainState, init_train_state, reset_reference, update, update_step
 
 __all__ = [
-    "RolloutBatch", "PreparedBatch", "prepare_batch", "logp_mismatch", "state_values", "UpdateConfig",
+    "RolloutBatch", "TurnReturns", "PreparedBatch", "prepare_batch", "logp_mismatch", "state_values", "UpdateConfig",
     "microbatch_loss", "aggregation_denominator", "TrainState", "init_train_state", "reset_reference",
     "update", "update_step",
 ]
