@@ -39,9 +39,9 @@ def _weights(schedule):
     return lambda: schedule[min(next(calls), len(schedule) - 1)]
 
 
-def _run(setup, schedule):
+def _run(setup, schedule, controls=CONTROLS):
     _, _, tokens, mask, key = setup
-    return I.sample_with_updates(CFG, tokens, mask, key, CONTROLS, segment_steps=SEGMENT, weights=_weights(schedule))
+    return I.sample_with_updates(CFG, tokens, mask, key, controls, segment_steps=SEGMENT, weights=_weights(schedule))
 
 
 def test_without_a_swap_it_is_bitwise_the_sampler(setup):
@@ -61,37 +61,40 @@ def test_without_a_swap_it_is_bitwise_the_sampler(setup):
     np.testing.assert_array_equal(np.asarray(version_bc), np.where(np.asarray(result.mask), 0, -1))
 
 
+@jax.jit
+def _reference_step(params, seq_bt, seq_mask_bt, t, row_keys_b):
+    """Token t of every row from a full forward (no cache) over prompt + tokens 0..t-1."""
+    logits_btv, _ = M.forward(CFG, params, seq_bt, None, seq_mask_bt)
+    logits_bv = jax.lax.dynamic_index_in_dim(logits_btv, P - 1 + t, axis=1, keepdims=False)
+    rows = seq_bt.shape[0]
+    return D.draw(logits_bv, row_keys_b, jnp.arange(rows), jnp.full((rows,), t), CONTROLS.scalars(),
+                  CONTROLS.static())[0]
+
+
 def _reference(setup, swap_at):
     """Cache-free decode: token t is drawn, with the sampler's own `draw` and row keys, from the
     logits of a full forward over prompt + tokens 0..t-1 under params A for t < swap_at and B from
     then on. Returns (tokens, lengths) [rows, max_new]."""
     params_a, params_b, tokens, mask, key = setup
     n, new = CONTROLS.num_samples, CONTROLS.max_new_tokens
-    spec, scalars = CONTROLS.static(), CONTROLS.scalars()
     rows = tokens.shape[0] * n
     seq = np.concatenate([np.repeat(np.asarray(tokens), n, 0), np.zeros((rows, new), np.int32)], 1)
     seq_mask = np.concatenate([np.repeat(np.asarray(mask), n, 0), np.zeros((rows, new), bool)], 1)
     row_keys = D.row_keys(key, rows)
-
-    @jax.jit
-    def step(params, seq, seq_mask, t):
-        logits_btv, _ = M.forward(CFG, params, seq, None, seq_mask)
-        logits_bv = jax.lax.dynamic_index_in_dim(logits_btv, P - 1 + t, axis=1, keepdims=False)
-        return D.draw(logits_bv, row_keys, jnp.arange(rows), jnp.full((rows,), t), scalars, spec)[0]
-
     done = np.zeros(rows, bool)
     for t in range(new):
-        tok = np.asarray(step(params_a if t < swap_at else params_b, seq, seq_mask, t))
+        tok = np.asarray(_reference_step(params_a if t < swap_at else params_b, seq, seq_mask, t, row_keys))
         seq[:, P + t] = np.where(done, CONTROLS.pad_id, tok)
         seq_mask[:, P + t] = ~done
         done |= np.isin(tok, CONTROLS.eos_ids) & ~done
     return seq[:, P:], seq_mask[:, P:].sum(1)
 
 
-@pytest.mark.parametrize("swap_call", [3, 5])
-def test_a_swap_gives_the_tokens_and_logprobs_of_changing_params_by_hand(setup, swap_call):
+@pytest.mark.parametrize("swap_call,batch_invariant", [(3, False), (5, False), (3, True)])
+def test_a_swap_gives_the_tokens_and_logprobs_of_changing_params_by_hand(setup, swap_call, batch_invariant):
     """New weights (version 1) first returned on poll 3 (swap after token 5: s = 6, inside the
-    first cache phase) or poll 5 (s = 16, exactly when that phase is full): tokens equal the
+    first cache phase) or poll 5 (s = 16, exactly when that phase is full), and with the sampler's
+    batch-invariant mode (one cache width, rows recomputed one at a time): tokens equal the
     cache-free reference that switches A -> B at s (sampled, top_p 0.95); recorded log-probs equal
     A's `token_logprobs` of the final sequences before s and B's from s on (1e-5, f32); version_bc
     is 0 before s and 1 from s on for drawn tokens, -1 after a row's end, and rows that ended
@@ -102,7 +105,7 @@ def test_a_swap_gives_the_tokens_and_logprobs_of_changing_params_by_hand(setup, 
     params_a, params_b, tokens, mask, _ = setup
     swap_at = 1 + SEGMENT * (swap_call - 2)
     schedule = [(params_a, 0)] * (swap_call - 1) + [(params_b, 1)]
-    result, version_bc, swaps = _run(setup, schedule)
+    result, version_bc, swaps = _run(setup, schedule, CONTROLS.replace(batch_invariant=batch_invariant))
     assert swaps == 1
     ref_tokens, ref_lengths = _reference(setup, swap_at)
     np.testing.assert_array_equal(np.asarray(result.tokens), ref_tokens)
@@ -124,15 +127,20 @@ def test_a_swap_gives_the_tokens_and_logprobs_of_changing_params_by_hand(setup, 
 
 
 def test_segments_reuse_one_compile_per_cache_width(setup):
-    """Two more runs (a swap at a new step, different segment counts) compile nothing new, and the
-    decode segment has one compiled program per cache width (2: 16 and 32 new slots) after runs of
-    up to 5 segments with different step counts and versions. Catches `steps`, `version` or the
-    step counter made static (a compile per segment) and a donated state whose layout changes."""
+    """A run of up to 5 segments (different step limits, a swap) compiles one decode segment per
+    cache width (2: 16 and 32 new slots) and one swap per width swapped in; two more runs with
+    swaps at other steps and another version number compile nothing. The controls are a fresh
+    static variant (top_k on) so the count does not depend on which tests ran before. Catches
+    the step limit, `version` or the step counter made static (a compile per segment or per
+    version) and a donated state whose layout changes between segments."""
     params_a, params_b, *_ = setup
-    _run(setup, [(params_a, 0), (params_a, 0), (params_b, 1)])
+    controls = CONTROLS.replace(top_k=50)
     jits = (I._start_jit, I._segment_jit, I._swap_jit, I._widen_jit, I._finish_jit)
     before = [f._cache_size() for f in jits]
-    _run(setup, [(params_a, 0)] * 3 + [(params_b, 1)])
-    _run(setup, [(params_a, 0), (params_b, 4)])
-    assert [f._cache_size() for f in jits] == before
-    assert I._segment_jit._cache_size() == len(D.phase_widths(32, CONTROLS.max_new_tokens)) == 2
+    _run(setup, [(params_a, 0), (params_a, 0), (params_b, 1)], controls)  # swap at step 6 (width 16)
+    first = [f._cache_size() - b for f, b in zip(jits, before)]
+    assert first[1] == len(D.phase_widths(32, CONTROLS.max_new_tokens)) == 2 and first[2] == 1
+    after = [f._cache_size() for f in jits]
+    _run(setup, [(params_a, 0)] * 2 + [(params_b, 4)], controls)
+    _run(setup, [(params_a, 0)] * 2 + [(params_a, 0), (params_b, 1)], controls)  # swap at step 11
+    assert [f._cache_size() for f in jits] == after

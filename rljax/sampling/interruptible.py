@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.errors import ConfigError
-from rljax.models import ModelConfig, default_positions, hidden_states, init_cache, unstack_layers
+from rljax.models import ModelConfig, hidden_states, unstack_layers
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls, StaticControls
 
@@ -54,23 +54,24 @@ class PartialRollout:
     state: the sampler's `DecodeState` (cache, tokens, per-token behaviour log-probs, stops).
     version_bc: int32 [B * n, new_bucket], the policy version that drew each completion token
       (NO_VERSION = -1 where no token was drawn).
-    prompt_tokens_bp / prompt_mask_bp: the left-padded prompt of each row (repeated over its n
-      samples), for recomputing the cache.
-    max_new_tokens, spec, widths: the controls' static half and the decode phases' cache widths.
+    prompt_tokens_pt / prompt_mask_pt: the left-padded prompts [B, P], for recomputing the cache.
+    max_new_tokens, num_samples, spec, widths: the controls' static half and the decode phases'
+      cache widths.
     """
 
     state: D.DecodeState
     version_bc: jax.Array
-    prompt_tokens_bp: jax.Array
-    prompt_mask_bp: jax.Array
+    prompt_tokens_pt: jax.Array
+    prompt_mask_pt: jax.Array
     max_new_tokens: int = flax.struct.field(pytree_node=False)
+    num_samples: int = flax.struct.field(pytree_node=False)
     spec: StaticControls = flax.struct.field(pytree_node=False)
     widths: tuple[int, ...] = flax.struct.field(pytree_node=False)
 
     @property
     def width(self) -> int:
         """New-token slots in the current cache (static)."""
-        return self.state.cache["pos"].shape[1] - self.prompt_tokens_bp.shape[1]
+        return self.state.cache["pos"].shape[1] - self.prompt_tokens_pt.shape[1]
 
 
 def _record_versions(version_bc, length_b, step_from, step_to, version):
@@ -81,15 +82,14 @@ def _record_versions(version_bc, length_b, step_from, step_to, version):
     return jnp.where(drawn, jnp.asarray(version, jnp.int32), version_bc)
 
 
-def _start(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, version, *, spec: StaticControls,
+def _start(cfg: ModelConfig, params, prompt_pt, mask_pt, key, max_new, scalars, version, *, spec: StaticControls,
            num_samples: int, new_bucket: int, max_new_tokens: int, widths: tuple[int, ...]) -> PartialRollout:
-    state = D.prefill(cfg, unstack_layers(params), prompt_bp, mask_bp, key, max_new, scalars, spec=spec,
+    state = D.prefill(cfg, unstack_layers(params), prompt_pt, mask_pt, key, max_new, scalars, spec=spec,
                       num_samples=num_samples, new_bucket=new_bucket)
     rows = state.tokens_bn.shape[0]
     version_bc = _record_versions(jnp.full((rows, new_bucket), NO_VERSION, jnp.int32), state.length_b, 0, 1, version)
-    repeat = lambda x: jnp.repeat(x, num_samples, axis=0)  # noqa: E731
-    return PartialRollout(state=state, version_bc=version_bc, prompt_tokens_bp=repeat(prompt_bp),
-                          prompt_mask_bp=repeat(mask_bp), max_new_tokens=max_new_tokens, spec=spec, widths=widths)
+    return PartialRollout(state=state, version_bc=version_bc, prompt_tokens_pt=prompt_pt, prompt_mask_pt=mask_pt,
+                          max_new_tokens=max_new_tokens, num_samples=num_samples, spec=spec, widths=widths)
 
 
 def _segment(cfg: ModelConfig, params, partial: PartialRollout, limit, version) -> PartialRollout:
@@ -102,29 +102,44 @@ def _segment(cfg: ModelConfig, params, partial: PartialRollout, limit, version) 
                                                                 version))
 
 
-def _cache_of_prefix(cfg: ModelConfig, params, tokens_bt, mask_bt):
-    """The KV cache of `tokens_bt` (a [B, S] cache, S = T) from one batched forward."""
-    positions_bt = default_positions(mask_bt)
-    _, cache = hidden_states(cfg, params, tokens_bt, positions_bt, mask_bt, init_cache(cfg, tokens_bt.shape[0],
-                                                                                        tokens_bt.shape[1]))
-    return cache
+def _append(cfg: ModelConfig, params, tokens_bg, positions_bg, mask_bg, cache, *, batch_invariant: bool):
+    """`cache` with the keys and values of `tokens_bg` written at its index, from one forward of
+    all G tokens of every row (one row at a time under `batch_invariant`, as the sampler does)."""
+    if not batch_invariant:
+        return hidden_states(cfg, params, tokens_bg, positions_bg, mask_bg, cache)[1]
+    index = cache["index"]
+
+    def one(tok, pos, m, layers, kpos):
+        new = hidden_states(cfg, params, tok, pos, m, {"layers": layers, "pos": kpos, "index": index})[1]
+        return new["layers"], new["pos"]
+
+    layers, kpos = D.one_row_at_a_time(one, tokens_bg, positions_bg, mask_bg, cache["layers"], cache["pos"])
+    return {"layers": layers, "pos": kpos, "index": index + tokens_bg.shape[1]}
 
 
 def _swap(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
-    """The cache of prompt + generated-so-far recomputed under `params` (see `swap_weights`)."""
-    s = partial.state
-    p, w = partial.prompt_tokens_bp.shape[1], partial.width
-    # Slot p + i holds the token fed at decode step i + 1, i.e. completion token i; tokens 0 .. step-2
-    # have been fed, token step-1 is `last_token_b`, fed by the next decode step.
-    fed_bw = jnp.arange(w)[None, :] < s.step - 1
-    tokens_bt = jnp.concatenate([partial.prompt_tokens_bp, s.tokens_bn[:, :w]], axis=1)
-    mask_bt = jnp.concatenate([partial.prompt_mask_bp, jnp.broadcast_to(fed_bw, (tokens_bt.shape[0], w))], axis=1)
+    """The cache of prompt + generated-so-far recomputed under `params` (see `swap_weights`).
+
+    The prompts are run once per prompt, as the prefill does, and their cache repeated to the n
+    samples; then one forward over the first G = min(width, max_new - 1) completion slots of every
+    row (no more can ever have been fed) appends the generated tokens, each attending to its
+    prompt and the tokens before it."""
+    s, spec = partial.state, partial.spec
     params = unstack_layers(params)
-    if partial.spec.batch_invariant:
-        cache = D.one_row_at_a_time(lambda t, m: _cache_of_prefix(cfg, params, t, m), tokens_bt, mask_bt)
-    else:
-        cache = _cache_of_prefix(cfg, params, tokens_bt, mask_bt)
-    cache = {"layers": cache["layers"], "pos": cache["pos"], "index": (p + s.step - 1).astype(jnp.int32)}
+    cache, _ = D.prompt_forward(cfg, params, partial.prompt_tokens_pt, partial.prompt_mask_pt,
+                                batch_invariant=spec.batch_invariant)
+    repeat = lambda x: jnp.repeat(x, partial.num_samples, axis=0) if x.ndim else x  # noqa: E731
+    cache = D.pad_slots(jax.tree.map(repeat, cache), partial.width)
+    p = partial.prompt_tokens_pt.shape[1]
+    cache["index"] = jnp.asarray(p, jnp.int32)
+    g = max(1, min(partial.width, partial.max_new_tokens - 1))
+    # Completion token i sits at slot p + i and position (real prompt tokens) + i; tokens 0 .. step-2
+    # have been fed, token step-1 is `last_token_b`, which the next decode step feeds.
+    first_pos_b = repeat(jnp.sum(partial.prompt_mask_pt, axis=1, dtype=jnp.int32))
+    positions_bg = first_pos_b[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
+    fed_bg = jnp.broadcast_to(jnp.arange(g)[None, :] < s.step - 1, positions_bg.shape)
+    cache = _append(cfg, params, s.tokens_bn[:, :g], positions_bg, fed_bg, cache, batch_invariant=spec.batch_invariant)
+    cache["index"] = (p + s.step - 1).astype(jnp.int32)
     return partial.replace(state=s.replace(cache=cache))
 
 
@@ -182,8 +197,9 @@ def advance(cfg: ModelConfig, params, partial: PartialRollout, *, steps: int, ve
 
 def swap_weights(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
     """New weights arrived mid-generation: every row keeps its tokens, and the KV cache of prompt +
-    generated-so-far is recomputed under `params` with one batched forward over the cache's
-    slots (no per-token loop). The last drawn token is still to be fed, so the next decode step
+    generated-so-far is recomputed under `params`, with no per-token loop: one batched forward of
+    the B prompts (shared by their n samples, as in the prefill) and one of every row's generated
+    tokens over that cache. The last drawn token is still to be fed, so the next decode step
     computes the next token's logits under `params` from this cache: decoding continues as if
     `params` had produced the cache. Rows that have ended are recomputed too (harmlessly; they
     draw nothing more). `partial` is donated; the versions are recorded by `advance`."""
