@@ -98,7 +98,8 @@ def test_a_swap_gives_the_tokens_and_logprobs_of_changing_params_by_hand(setup, 
     cache-free reference that switches A -> B at s (sampled, top_p 0.95); recorded log-probs equal
     A's `token_logprobs` of the final sequences before s and B's from s on (1e-5, f32); version_bc
     is 0 before s and 1 from s on for drawn tokens, -1 after a row's end, and rows that ended
-    before s (some do) have no version-1 token. Catches a cache recomputed under the old params,
+    before s (some do) have no version-1 token; `start`/`advance`/`swap_weights`/`finish` called by
+    hand give the driver's rollout bitwise. Catches a cache recomputed under the old params,
     a prefix that drops a fed token, wrong positions after
     left padding, a swap that edits finished rows' tokens, and versions recorded on the wrong
     tokens."""
@@ -124,6 +125,15 @@ def test_a_swap_gives_the_tokens_and_logprobs_of_changing_params_by_hand(setup, 
     np.testing.assert_array_equal(np.asarray(version_bc), np.where(drawn, (col >= swap_at).astype(int), -1))
     lengths = np.asarray(result.lengths)
     assert (lengths <= swap_at).any() and (lengths > swap_at).any()  # ended before s, and went on
+    if swap_call == 3 and not batch_invariant:  # the step-by-step API gives the driver's rollout
+        split_a, split_b = M.unstack_layers(params_a), M.unstack_layers(params_b)  # as the driver passes them
+        partial = I.start(CFG, split_a, tokens, mask, setup[4], CONTROLS, version=0)
+        partial = I.advance(CFG, split_a, partial, steps=swap_at - 1, version=0)
+        partial = I.advance(CFG, split_b, I.swap_weights(CFG, split_b, partial), steps=100, version=1)
+        manual, manual_versions = I.finish(partial)
+        np.testing.assert_array_equal(np.asarray(manual.tokens), np.asarray(result.tokens))
+        np.testing.assert_array_equal(np.asarray(manual.logprobs), np.asarray(result.logprobs))
+        np.testing.assert_array_equal(np.asarray(manual_versions), np.asarray(version_bc))
 
 
 def test_segments_reuse_one_compile_per_cache_width(setup):

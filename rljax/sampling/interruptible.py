@@ -158,7 +158,9 @@ def start(cfg: ModelConfig, params, prompt_tokens_pt, prompt_mask_pt, key, contr
           version: int) -> PartialRollout:
     """Prefills the (left-padded) prompts once, repeats each to `controls.num_samples` rows and
     draws token 0 with `params`, recorded as `version`; exactly `rljax.sampling.sample`'s start.
-    Static scheduler only."""
+    Static scheduler only. Every function here takes params stacked or split per layer
+    (`rljax.models.unstack_layers`); split them once per version, as `sample_with_updates` does,
+    or each call copies the layers out of the stacked arrays again."""
     spec = controls.static()
     new_bucket = D.bucket_length(controls.max_new_tokens)
     widths = (new_bucket,) if spec.batch_invariant else D.phase_widths(new_bucket, controls.max_new_tokens)
