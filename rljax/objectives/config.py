@@ -73,7 +73,9 @@ class AlgorithmConfig:
     `norm_length` is Dr. GRPO's constant length (None: the rollout's completion budget,
     `max_new_tokens`, as the paper and verl use). `recompute_old_logp` rescores the batch with
     the current params before updating and treats the sampler's log-probs as the behaviour policy
-    for the `off_policy` correction ('none', 'tis', 'mis' at `off_policy_level` token|sequence).
+    for the `off_policy` correction ('none', 'tis', 'mis', or AReaL's 'decoupled' PPO, whose
+    trust region is the recomputed proximal policy, at `off_policy_level` token|sequence);
+    `off_policy_cap` is each correction's cap (>= 1; `inf`: uncapped).
 
     The update schedule and compile switches live in `rljax.update.UpdateConfig`, reward shaping
     in `rljax.objectives.shaping.RewardShaping`.
@@ -136,7 +138,7 @@ class AlgorithmConfig:
         need(self.norm_length is None or self.norm_length >= 1, f"norm_length={self.norm_length} must be >= 1")
         need(self.off_policy_level in ("token", "sequence"),
              f"off_policy_level={self.off_policy_level!r}; choose one of token, sequence")
-        need(self.off_policy_cap >= 1, f"off_policy_cap={self.off_policy_cap} must be >= 1")
+        need(self.off_policy_cap >= 1, f"off_policy_cap={self.off_policy_cap} must be >= 1 (inf: uncapped)")
         need(self.off_policy == "none" or self.recompute_old_logp,
              f"off_policy={self.off_policy!r} needs recompute_old_logp=True (it compares the trainer's "
              "log-probs with the sampler's)")

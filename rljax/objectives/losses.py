@@ -179,3 +179,33 @@ def masked_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"
     log_w = _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
     keep = jnp.abs(log_w) <= jnp.log(cap)
     return jnp.ones_like(old_logp_bt), mask_bt * keep.astype(mask_bt.dtype)
+
+
+@OFF_POLICY.register("decoupled")
+def decoupled_ppo(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+    """AReaL's decoupled PPO (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+    Learning System for Language Reasoning"), as the weight of the clipped surrogate:
+
+        J(theta) = E_mu[ w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) ],
+        w_t = pi_prox / mu,    r_t = pi_theta / pi_prox,
+
+    mu the behaviour policy (the sampler's recorded per-token log-probs, possibly from several
+    policy versions within one row) and pi_prox the proximal policy: the params at the start of
+    this update, which `prepare_batch` scores as `old_logp_bt` under `recompute_old_logp`. Paired
+    with `policy_loss='ppo_clip'`, whose ratio already divides by `old_logp_bt` = pi_prox, this
+    weight completes the objective. The trust region is kept around pi_prox, a policy the trainer
+    holds, rather than around mu, which may be several versions stale: the decoupling is what lets
+    AReaL train on stale and interrupted rollouts without shrinking its updates.
+
+    Large weights follow AReaL's `ppo_actor_loss_fn` (`behav_imp_weight_cap`): a token whose
+    w_t exceeds `cap` gets weight 0 but keeps its place in the loss mask, so it still counts in
+    the aggregation's denominator (unlike MIS, which drops it from the mask, and TIS, which keeps
+    it at weight `cap`). We follow AReaL so that a run reproduces its objective exactly, and
+    because a zeroed token cannot enlarge the step the way a truncated one would. There is no
+    lower cap, as in AReaL: a small w_t only shrinks a token's gradient. `cap = inf` means
+    uncapped (AReaL's None). `level='sequence'` uses the row's product of ratios (AReaL's is per
+    token). With mu = pi_prox the weight is exactly 1 and the loss is PPO's clipped surrogate.
+    """
+    log_w = _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
+    w = jnp.where(log_w <= jnp.log(cap), clamped_ratio(log_w), 0.0)
+    return w, mask_bt
