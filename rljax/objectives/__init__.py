@@ -14,7 +14,7 @@ from rljax.objectives.advantages import (dense_rewards, dr_grpo, gae, gae_from_r
 from rljax.objectives.aggregation import aggregate, aggregate_parts
 from rljax.objectives.config import PRESETS, AlgorithmConfig, RolloutNeeds
 from rljax.objectives.kl import abs_kl, k1, k2, k3, k3_plus, kl
-from rljax.objectives.losses import (LOG_RATIO_CLAMP, cispo, clamped_ratio, gspo, masked_is,
+from rljax.objectives.losses import (LOG_RATIO_CLAMP, cispo, clamped_ratio, decoupled_ppo, gspo, masked_is,
                                      policy_gradient, ppo_clip, topr, truncated_is, value_loss)
 from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY,
                                        POLICY_LOSSES, ROLLOUT_NEEDS, Registry)
@@ -27,6 +27,7 @@ __all__ = [
     "gae_from_rewards", "whiten_advantages", "dense_rewards", "prompt_major_group_ids",
     "zero_variance_groups", "turn_group_advantages", "takes_turn_returns",
     "ppo_clip", "policy_gradient", "gspo", "cispo", "topr", "value_loss", "truncated_is", "masked_is",
+    "decoupled_ppo",
     "clamped_ratio", "LOG_RATIO_CLAMP",
     "kl", "k1", "k2", "k3", "k3_plus", "abs_kl", "aggregate", "aggregate_parts", "overlong_penalty",
     "length_penalty",

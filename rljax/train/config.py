@@ -408,9 +408,9 @@ class TrainConfig:
             raise ConfigError(f"rl.reference_reset_every={self.rl.reference_reset_every} needs a KL reference: set "
                               f"algorithm.kl_coef > 0, or rl.reference_reset_every=0")
         if self.rl.replay.capacity and not (self.algorithm.recompute_old_logp
-                                            and self.algorithm.off_policy in ("tis", "mis")):
+                                            and self.algorithm.off_policy in ("tis", "mis", "decoupled")):
             raise ConfigError("rl.replay mixes off-policy rows: set algorithm.recompute_old_logp=true and "
-                              "algorithm.off_policy='tis' (or 'mis')")
+                              "algorithm.off_policy='tis' (or 'mis', 'decoupled')")
         if self.env.enabled and (self.rl.dynamic_sampling or self.mesh.sampler != "shared"):
             raise ConfigError("env: multi-turn rollouts run in the fused iteration without dynamic sampling; set "
                               "rl.dynamic_sampling=false and mesh.sampler=\"shared\"")
