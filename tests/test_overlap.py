@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import shutil
 import threading
 import time
 
@@ -226,14 +227,14 @@ def _async_steps(programs, params, trainer, steps: int, **kw):
 
 
 def test_async_staleness_is_bounded_and_stale_rows_are_dropped_and_counted(programs, params, layouts):
-    """async with eta=1, a fast sampler, a queue of 3 and a trainer slowed to 0.3 s per update:
-    every trained row is at most 1 version old, some rows are dropped, and the reported
-    `async/dropped_rows` equal the rows whose staleness exceeded eta.
+    """async (rl.stale_rows="drop") with eta=1, a fast sampler, a queue of 3 and a trainer slowed
+    to 0.3 s per update: every trained row is at most 1 version old, some rows are dropped, and
+    the reported `async/dropped_rows` equal the rows whose staleness exceeded eta.
     Catches: a trainer that trains stale rows (no filter, or a filter off by one), drops that are
     not counted (or counted twice), and a producer that never refreshes its params."""
     before = _python_threads()
     driver, history = _async_steps(programs, params, layouts[0], 5, max_staleness=1, queue_batches=3,
-                                   update=_slow(programs.update, 0.3))
+                                   wait_for_fresh=False, update=_slow(programs.update, 0.3))
     taken = list(driver.taken)
     for t in taken:
         assert (t.staleness_b[t.keep_b] <= 1).all() and (t.keep_b == (t.staleness_b <= 1)).all()
@@ -242,6 +243,21 @@ def test_async_staleness_is_bounded_and_stale_rows_are_dropped_and_counted(progr
     assert sum(h["async/dropped_rows"] for h in history) == stale
     assert max(h["async/staleness_max"] for h in history) <= 1
     assert max(t.index for t in taken) >= 5  # batches sampled after an update were trained
+    _threads_back(before)
+
+
+def test_async_admission_keeps_every_batch_fresh(programs, params, layouts):
+    """async with rl.stale_rows="wait" (AReaL's admission rule), eta=1, the same slow trainer and
+    a queue of 3: nothing is dropped, yet the sampler runs the full eta ahead (staleness 1 from the
+    second step on), and batch s is the one iteration s trains.
+    Catches: a wait that lets the sampler run too far ahead (drops), or one that waits for the
+    newest version (staleness 0: a synchronous run with extra steps)."""
+    before = _python_threads()
+    driver, history = _async_steps(programs, params, layouts[0], 5, max_staleness=1, queue_batches=3,
+                                   update=_slow(programs.update, 0.3))
+    assert sum(h["async/dropped_rows"] for h in history) == 0
+    assert [h["async/staleness_max"] for h in history] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [t.index for t in driver.taken] == [0, 1, 2, 3, 4]
     _threads_back(before)
 
 
@@ -281,15 +297,17 @@ RUN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1
 
 
 def test_one_step_off_resumes_exactly(tmp_path):
-    """`rljax train` with rl.mode=one_step_off: 4 iterations equal 2 + --resume + 2 (params
-    bitwise, metrics equal), because the checkpoint holds the pending batch sampled with theta_2.
+    """`rljax train` with rl.mode=one_step_off: 4 iterations equal a resume from the same run's
+    checkpoint at iteration 2 (its later checkpoint deleted) run to 4 (params bitwise, metrics
+    equal), because the checkpoint holds the pending batch 3 sampled with theta_2.
     Catches: a resume that re-samples batch 3 with theta_3 (or skips it), and a data iterator
     saved one batch behind the driver."""
-    full = train(load_config(None, RUN + ["rl.mode=one_step_off", "rl.iterations=4", "checkpoint.every=100",
-                                          f"output_dir='{tmp_path / 'full'}'"]), log=lambda *_: None)
-    half = RUN + ["rl.mode=one_step_off", "checkpoint.every=2", f"output_dir='{tmp_path / 'half'}'"]
-    train(load_config(None, half + ["rl.iterations=2"]), log=lambda *_: None)
-    resumed = train(load_config(None, half + ["rl.iterations=4"]), resume=True, log=lambda *_: None)
+    args = RUN + ["rl.mode=one_step_off", "rl.iterations=4", "checkpoint.every=2"]
+    full = train(load_config(None, args + [f"output_dir='{tmp_path / 'full'}'"]), log=lambda *_: None)
+    shutil.copytree(tmp_path / "full", tmp_path / "half")
+    shutil.rmtree(tmp_path / "half" / "checkpoints" / "4")
+    resumed = train(load_config(None, args + [f"output_dir='{tmp_path / 'half'}'"]), resume=True,
+                    log=lambda *_: None)
     for a, b in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     untimed = lambda h: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in h]  # noqa: E731

@@ -235,7 +235,9 @@ class RLSection:
       (verl's one-step off-policy pipeline); deterministic, and resumed exactly.
     - `async`: a producer thread samples into a queue of at most `queue_batches` batches and the
       trainer takes them; rows more than `max_staleness` policy versions old are dropped (AReaL's
-      bounded staleness eta, Fu et al., 2025)."""
+      bounded staleness eta, Fu et al., 2025). `stale_rows = "wait"` (AReaL's admission rule)
+      holds the sampler back so no batch goes stale in the queue; `"drop"` lets it run ahead
+      (bounded by the queue) and the trainer drops, and counts, the stale rows."""
 
     iterations: int = 60
     prompts_per_iteration: int = 64
@@ -248,6 +250,7 @@ class RLSection:
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     max_staleness: int = 1
     queue_batches: int = 2
+    stale_rows: Literal["wait", "drop"] = "wait"
 
     def __post_init__(self):
         if self.max_staleness < 0 or self.queue_batches < 1:

@@ -374,7 +374,7 @@ def overlap_driver(run: Run, state: TrainState, data_iter):
         driver = overlap.OneStepOff(programs, prompts, run.keys["loop"])
     else:
         driver = overlap.AsyncDriver(programs, prompts, run.keys["loop"], max_staleness=cfg.rl.max_staleness,
-                                     queue_batches=cfg.rl.queue_batches,
+                                     queue_batches=cfg.rl.queue_batches, wait_for_fresh=cfg.rl.stale_rows == "wait",
                                      rows=cfg.rl.prompts_per_iteration * cfg.sampling.num_samples)
     if run.resumed_overlap is not None:
         driver.restore_extra(run.resumed_overlap)

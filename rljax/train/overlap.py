@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -61,6 +62,7 @@ class OverlapPrograms:
     sampler_params_shardings: Any
     batch_sharding: Any
     replicated: Any  # the trainer mesh's replicated sharding
+    sampler_replicated: Any  # the sampler mesh's
 
     @classmethod
     def from_stages(cls, stages: Stages) -> "OverlapPrograms":
@@ -74,7 +76,11 @@ class OverlapPrograms:
         return cls(sample=p.sample_jit, update=p.update_jit, to_sampler=to_sampler,
                    to_trainer=lambda batch: jax.device_put(batch, p.batch_sh),
                    sampler_params_shardings=p.sampler_params_sh, batch_sharding=p.batch_sh,
-                   replicated=jax.sharding.NamedSharding(p.batch_sh.mesh, jax.sharding.PartitionSpec()))
+                   replicated=jax.sharding.NamedSharding(p.batch_sh.mesh, jax.sharding.PartitionSpec()),
+                   sampler_replicated=jax.sharding.NamedSharding(p.prompts_sh.mesh, jax.sharding.PartitionSpec()))
+
+    def keys(self, loop_key: jax.Array) -> "StageKeys":
+        return StageKeys(jax.device_put(loop_key, self.sampler_replicated), jax.device_put(loop_key, self.replicated))
 
     def sample_template(self, sampler_params, num_prompts: int, prompt_len: int):
         """The sampling program's output shapes, placed as a restored pending batch is: the batch in
@@ -84,8 +90,27 @@ class OverlapPrograms:
                    jax.ShapeDtypeStruct((num_prompts,), jnp.int32))
         key = jax.eval_shape(lambda: jax.random.key(0))
         batch, metrics, preview = jax.eval_shape(self.sample, sampler_params, *prompts, key)
-        place = lambda tree, sh: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree)  # noqa: E731
+
+        def place(tree, sharding):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
         return place(batch, self.batch_sharding), place(metrics, self.replicated), place(preview, self.replicated)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageKeys:
+    """fold_in(loop key, j) computed on each side's own devices. A key derived on the trainer's
+    device would queue behind the running update there (a device runs its programs in order), and
+    the sampling program waiting on it would no longer overlap the update."""
+
+    sampler_root: jax.Array
+    trainer_root: jax.Array
+
+    def sample(self, j: int) -> jax.Array:
+        return jax.random.fold_in(self.sampler_root, j)
+
+    def update(self, j: int) -> jax.Array:
+        return jax.random.fold_in(self.trainer_root, j)
 
 
 def wait_timed(start: float, **groups) -> dict[str, float]:
@@ -116,23 +141,24 @@ class OneStepOff:
     or theta_0 for batch 0) while it samples batch it+1 with theta_it. See the module docstring."""
 
     def __init__(self, programs: OverlapPrograms, prompts: PromptSource, loop_key: jax.Array):
-        self.programs, self._prompts, self._loop_key = programs, prompts, loop_key
+        self.programs, self._prompts, self._keys = programs, prompts, programs.keys(loop_key)
         self.pending = None  # (batch, rollout metrics, preview) of the next batch to train
         self.data_lock = threading.Lock()  # shared interface with AsyncDriver; one thread here
 
-    def _key(self, j: int) -> jax.Array:
-        return jax.random.fold_in(self._loop_key, j)
-
     def step(self, state: TrainState, it: int):
-        p = self.programs
+        p, keys = self.programs, self._keys
         start = time.perf_counter()
         params, sync_s = p.to_sampler(state)  # theta_it, copied before the update donates it
         if self.pending is None:  # batch 0 (or a run resumed without a pending batch): theta_it, now
-            self.pending = p.sample(params, *self._prompts(), self._key(it))
+            self.pending = p.sample(params, *self._prompts(), keys.sample(it))
         batch, rollout_metrics, preview = self.pending
+        # The sampler's inputs are ready before the update is dispatched, so nothing it needs waits
+        # behind the update; the update goes first because a program with a host callback (the
+        # verifier) may run inside its own dispatch call on CPU.
+        following = jax.block_until_ready((self._prompts(), keys.sample(it + 1)))
         t_dispatch = time.perf_counter()
-        state, train_metrics = p.update(state, p.to_trainer(batch), self._key(it))
-        self.pending = p.sample(params, *self._prompts(), self._key(it + 1))
+        state, train_metrics = p.update(state, p.to_trainer(batch), keys.update(it))
+        self.pending = p.sample(params, *following[0], following[1])
         seconds = wait_timed(t_dispatch, update=(state, train_metrics), sample=self.pending)
         wall = time.perf_counter() - start
         staleness = 1.0 if it else 0.0  # batch k >= 1 was drawn by theta_{k-1} and trained from theta_k
@@ -167,12 +193,19 @@ class AsyncDriver:
     `step(state, it)` trains on the next batch with fresh rows (see the module docstring).
 
     Policy version = the number of updates behind the params: the trainer at iteration `it` is
-    version `it`, and the params it publishes after its update are version `it + 1`."""
+    version `it`, and the params it publishes after its update are version `it + 1`.
+
+    `wait_for_fresh` (`rl.stale_rows = "wait"`) is AReaL's admission rule (Fu et al., 2025, sec. 5.1):
+    the producer starts batch s (the one iteration s will train) only once the published version is
+    at least s - eta, so every row is at most eta versions old when trained and none is sampled
+    only to be dropped; the sampler is ahead of the trainer by at most eta batches. Without it
+    (`"drop"`) the producer never waits except on a full queue, and the trainer drops what
+    went stale."""
 
     def __init__(self, programs: OverlapPrograms, prompts: PromptSource, loop_key: jax.Array, *,
-                 max_staleness: int, queue_batches: int, rows: int):
-        self.programs, self._prompts, self._loop_key = programs, prompts, loop_key
-        self.max_staleness, self.rows = max_staleness, rows
+                 max_staleness: int, queue_batches: int, rows: int, wait_for_fresh: bool = True):
+        self.programs, self._prompts, self._keys = programs, prompts, programs.keys(loop_key)
+        self.max_staleness, self.rows, self.wait_for_fresh = max_staleness, rows, wait_for_fresh
         self._stop = threading.Event()
         self.queue = RolloutQueue(queue_batches, self._stop)
         self._mailbox = ParamsMailbox()
@@ -184,28 +217,30 @@ class AsyncDriver:
         self._thread: threading.Thread | None = None
         self._last_end: float | None = None
 
-    def _key(self, j: int) -> jax.Array:
-        return jax.random.fold_in(self._loop_key, j)
-
     # ------------------------------------------------------------------ producer
 
     def start(self, state: TrainState, version: int) -> None:
         params, _ = self.programs.to_sampler(state)
         self._mailbox.publish(params, version)
+        self._next_seq = version  # the iteration that would train the next batch if none is skipped
         self._thread = threading.Thread(target=self._produce, name="rljax-async-sampler", daemon=True)
         self._thread.start()
 
     def _produce(self) -> None:
         try:
             while not self._stop.is_set():
-                params, version = self._mailbox.latest()
+                if self.wait_for_fresh:  # AReaL's admission rule: batch s starts once version >= s - eta
+                    params, version = self._mailbox.wait_for(self._next_seq - self.max_staleness, self._stop)
+                else:
+                    params, version = self._mailbox.latest()
+                self._next_seq += 1
                 with self.data_lock:
                     prompts, j = self._prompts(), self.next_index
                     self.next_index += 1
                 self._clock.begin()
                 t0 = time.perf_counter()
                 try:
-                    out = jax.block_until_ready(self.programs.sample(params, *prompts, self._key(j)))
+                    out = jax.block_until_ready(self.programs.sample(params, *prompts, self._keys.sample(j)))
                 finally:
                     self._clock.end()
                 self.queue.put(VersionedBatch(out, np.full((self.rows,), version, np.int32), j,
@@ -236,7 +271,7 @@ class AsyncDriver:
         if not keep_b.all():
             batch = _mask_rows_jit(batch, jax.device_put(keep_b, self.programs.batch_sharding))
         t0 = time.perf_counter()
-        state, train_metrics = self.programs.update(state, batch, self._key(item.index))
+        state, train_metrics = self.programs.update(state, batch, self._keys.update(item.index))
         jax.block_until_ready((state, train_metrics))
         update_s = time.perf_counter() - t0
         params, sync_s = self.programs.to_sampler(state)
@@ -274,6 +309,7 @@ class AsyncDriver:
         self.queue.drain()
         if self._thread is not None:
             self._thread.join(JOIN_TIMEOUT_S)
-            if self._thread.is_alive():
-                raise RuntimeError(f"the async sampler thread did not stop within {JOIN_TIMEOUT_S} s")
+            if self._thread.is_alive():  # a warning, not an error: close() runs in `finally`, where an
+                # exception would hide the one that stopped the run; the daemon thread cannot block exit
+                warnings.warn(f"the async sampler thread did not stop within {JOIN_TIMEOUT_S} s", RuntimeWarning)
             self._thread = None

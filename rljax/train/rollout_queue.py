@@ -106,19 +106,31 @@ class RolloutQueue:
 
 class ParamsMailbox:
     """One slot holding the latest (sampler params, version): the trainer overwrites, the
-    producer reads the newest at the start of each batch; nothing waits on it."""
+    producer reads the newest at the start of each batch (or waits, with timeouts, for a version
+    recent enough: AReaL's admission rule)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._slot: tuple[Any, int] | None = None
 
     def publish(self, params, version: int) -> None:
-        with self._lock:
+        with self._changed:
             self._slot = (params, version)
+            self._changed.notify_all()
 
     def latest(self) -> tuple[Any, int]:
-        with self._lock:
+        with self._changed:
             assert self._slot is not None, "publish the first params before starting the producer"
+            return self._slot
+
+    def wait_for(self, min_version: int, stop: threading.Event) -> tuple[Any, int]:
+        """The latest (params, version) once its version is >= `min_version`; raises `Stopped`
+        if `stop` is set first."""
+        with self._changed:
+            while self._slot is None or self._slot[1] < min_version:
+                if stop.is_set():
+                    raise Stopped
+                self._changed.wait(POLL_S)
             return self._slot
 
 
