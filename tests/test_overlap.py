@@ -261,6 +261,37 @@ def test_async_admission_keeps_every_batch_fresh(programs, params, layouts):
     _threads_back(before)
 
 
+class _OneOldBatch(overlap.AsyncDriver):
+    """Labels the third and fourth batches' rows 5 versions older than sampled, as interrupted
+    rollouts whose first tokens came from old params would be."""
+
+    def row_versions(self, sample, version):
+        self._calls = getattr(self, "_calls", 0) + 1
+        return super().row_versions(sample, version - 5 * (self._calls in (3, 4)))
+
+
+def test_async_admission_survives_a_skipped_batch(programs, params, layouts):
+    """With rl.stale_rows="wait" and eta=1, two batches that are stale anyway (rows older than eta)
+    are skipped and counted, and the run goes on: the admission bound falls by one per skipped batch.
+    Catches: an admission bound that counts skipped batches as trained, so that after more than
+    eta skips the sampler waits for a version the trainer can only reach with the batch the
+    sampler will not start (a deadlock; a watchdog stops it after 30 s)."""
+    driver = _OneOldBatch(programs, prompt_source(), LOOP_KEY, rows=ROWS, max_staleness=1, queue_batches=1)
+    watchdog = threading.Timer(30, driver.close)
+    watchdog.start()
+    state, history = _state(params, layouts[0]), []
+    try:
+        for it in range(4):
+            state, metrics, _ = driver.step(state, it)
+            history.append(jax.device_get(metrics))
+    finally:
+        watchdog.cancel()
+        driver.close()
+    assert [h["async/skipped_batches"] for h in history] == [0, 0, 2, 0]
+    assert sum(h["async/dropped_rows"] for h in history) == 2 * ROWS
+    assert [t.index for t in driver.taken] == [0, 1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("failure", ["verifier", "trainer", "ctrl-c"])
 def test_async_failures_stop_both_sides(programs, params, layouts, failure):
     """A verifier that raises inside the sampling program, a trainer exception, or Ctrl-C

@@ -23,6 +23,14 @@ only host thread; it waits only with timeouts, and any failure on either side st
 
 Keys: batch j is sampled with the first half of split(fold_in(loop key, j)) and trained with the
 second, as the synchronous iteration splits the key of iteration j.
+
+Metrics per step, besides the stages' own: `time/weight_sync_s` (trainer -> sampler params copy),
+`time/sample_s` and `time/update_s` (each program's seconds, timed apart while both run),
+`time/sampler_busy_frac` and `time/trainer_busy_frac` (their share of the step's wall time: both
+near 1 means full overlap), `async/staleness_mean` / `async/staleness_max` (versions between
+the trained rows' policy and the trainer's), and in async `async/dropped_rows`,
+`async/skipped_batches`, `async/queue_depth` and `async/restarted_queue` (1 on the first step
+after a resume, whose queue started empty).
 """
 
 from __future__ import annotations
@@ -149,7 +157,8 @@ class OneStepOff:
         p, keys = self.programs, self._keys
         start = time.perf_counter()
         params, sync_s = p.to_sampler(state)  # theta_it, copied before the update donates it
-        if self.pending is None:  # batch 0 (or a run resumed without a pending batch): theta_it, now
+        fresh = self.pending is None  # batch 0: sampled with theta_it, now
+        if fresh:
             self.pending = p.sample(params, *self._prompts(), keys.sample(it))
         batch, rollout_metrics, preview = self.pending
         # The sampler's inputs are ready before the update is dispatched, so nothing it needs waits
@@ -161,7 +170,7 @@ class OneStepOff:
         self.pending = p.sample(params, *following[0], following[1])
         seconds = wait_timed(t_dispatch, update=(state, train_metrics), sample=self.pending)
         wall = time.perf_counter() - start
-        staleness = 1.0 if it else 0.0  # batch k >= 1 was drawn by theta_{k-1} and trained from theta_k
+        staleness = 0.0 if fresh else 1.0  # a pending batch was drawn by theta_{k-1}, trained from theta_k
         timings = {"time/weight_sync_s": sync_s, "time/update_s": seconds["update"],
                    "time/sample_s": seconds["sample"], "time/trainer_busy_frac": seconds["update"] / wall,
                    "time/sampler_busy_frac": seconds["sample"] / wall,
@@ -195,7 +204,7 @@ class AsyncDriver:
     Policy version = the number of updates behind the params: the trainer at iteration `it` is
     version `it`, and the params it publishes after its update are version `it + 1`.
 
-    `wait_for_fresh` (`rl.stale_rows = "wait"`) is AReaL's admission rule (Fu et al., 2025, sec. 5.1):
+    `wait_for_fresh` (`rl.stale_rows = "wait"`) is AReaL's admission rule (Fu et al., 2025):
     the producer starts batch s (the one iteration s will train) only once the published version is
     at least s - eta, so every row is at most eta versions old when trained and none is sampled
     only to be dropped; the sampler is ahead of the trainer by at most eta batches. Without it
@@ -214,6 +223,7 @@ class AsyncDriver:
         self.next_index = 0  # the next sample index j
         self.restarted = False
         self.taken: collections.deque[TakenBatch] = collections.deque(maxlen=4096)
+        self._first_version = self._started = self._skipped = 0
         self._thread: threading.Thread | None = None
         self._last_end: float | None = None
 
@@ -222,7 +232,7 @@ class AsyncDriver:
     def start(self, state: TrainState, version: int) -> None:
         params, _ = self.programs.to_sampler(state)
         self._mailbox.publish(params, version)
-        self._next_seq = version  # the iteration that would train the next batch if none is skipped
+        self._first_version = version
         self._thread = threading.Thread(target=self._produce, name="rljax-async-sampler", daemon=True)
         self._thread.start()
 
@@ -230,10 +240,10 @@ class AsyncDriver:
         try:
             while not self._stop.is_set():
                 if self.wait_for_fresh:  # AReaL's admission rule: batch s starts once version >= s - eta
-                    params, version = self._mailbox.wait_for(self._next_seq - self.max_staleness, self._stop)
+                    params, version = self._mailbox.wait_for(self._admission_version, self._stop)
                 else:
                     params, version = self._mailbox.latest()
-                self._next_seq += 1
+                self._started += 1
                 with self.data_lock:
                     prompts, j = self._prompts(), self.next_index
                     self.next_index += 1
@@ -243,12 +253,25 @@ class AsyncDriver:
                     out = jax.block_until_ready(self.programs.sample(params, *prompts, self._keys.sample(j)))
                 finally:
                     self._clock.end()
-                self.queue.put(VersionedBatch(out, np.full((self.rows,), version, np.int32), j,
-                                              time.perf_counter() - t0))
+                self.queue.put(VersionedBatch(out, self.row_versions(out, version), j, time.perf_counter() - t0))
         except Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which re-raises it
             self.queue.error = e
+
+    def row_versions(self, sample, version: int) -> np.ndarray:
+        """Each row's policy version, int32 [rows]: the version the batch was sampled with. An
+        interruptible rollout reports per-token versions instead (`version_bc`), and its row
+        version is `rljax.train.rollout_queue.row_versions` of them (the oldest)."""
+        del sample
+        return np.full((self.rows,), version, np.int32)
+
+    def _admission_version(self) -> int:
+        """The oldest version the next batch may be sampled with: it will be trained at iteration
+        s = first version + batches started - batches skipped (a skip moves every later batch one
+        iteration earlier, so the bound falls and the producer can never wait on a trainer that
+        waits on it)."""
+        return self._first_version + self._started - self._skipped - self.max_staleness
 
     # ------------------------------------------------------------------ trainer
 
@@ -265,6 +288,7 @@ class AsyncDriver:
             if keep_b.any():
                 break
             skipped += 1
+            self._skipped += 1  # only this thread writes it; the producer reads it
         depth = self.queue.depth()
         batch, rollout_metrics, preview = item.sample
         batch = self.programs.to_trainer(batch)

@@ -19,7 +19,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -123,11 +123,11 @@ class ParamsMailbox:
             assert self._slot is not None, "publish the first params before starting the producer"
             return self._slot
 
-    def wait_for(self, min_version: int, stop: threading.Event) -> tuple[Any, int]:
-        """The latest (params, version) once its version is >= `min_version`; raises `Stopped`
-        if `stop` is set first."""
+    def wait_for(self, min_version: Callable[[], int], stop: threading.Event) -> tuple[Any, int]:
+        """The latest (params, version) once its version is >= `min_version()` (asked again at
+        every wake-up: the bound may fall while waiting); raises `Stopped` if `stop` is set first."""
         with self._changed:
-            while self._slot is None or self._slot[1] < min_version:
+            while self._slot is None or self._slot[1] < min_version():
                 if stop.is_set():
                     raise Stopped
                 self._changed.wait(POLL_S)
