@@ -18,7 +18,7 @@ from rljax.sharding.layout import (
     sync_weights,
     trainer_layout,
 )
-from rljax.sharding.mesh import AXES, BATCH_AXES, MeshConfig, axis_size, make_mesh
+from rljax.sharding.mesh import AXES, BATCH_AXES, MeshConfig, axis_size, make_mesh, split_devices
 from rljax.sharding.rules import (
     DEFAULT_RULES,
     Rule,
@@ -34,7 +34,7 @@ from rljax.sharding.rules import (
 )
 
 __all__ = [
-    "MeshConfig", "make_mesh", "AXES", "BATCH_AXES", "axis_size",
+    "MeshConfig", "make_mesh", "AXES", "BATCH_AXES", "axis_size", "split_devices",
     "Rule", "DEFAULT_RULES", "spec_for", "tree_specs", "named", "param_shardings", "shard_params",
     "opt_state_shardings", "batch_sharding", "batch_shardings", "cache_shardings",
     "Layout", "trainer_layout", "sampler_layout", "make_sharded", "sync_weights", "device_bytes",

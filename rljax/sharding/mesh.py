@@ -84,3 +84,19 @@ def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
         return 1
     names = (axes,) if isinstance(axes, str) else tuple(axes)
     return math.prod(mesh.shape.get(a, 1) for a in names)
+
+
+def split_devices(devices: Sequence[jax.Device], sampler: int | float) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(trainer devices, sampler devices): the last `sampler` devices (an int count, or a float
+    fraction in (0, 1) of them, rounded) go to the sampler, the rest to the trainer.
+
+    Disjoint device groups let sampling and training run at once (ReaLHF, Mei et al., 2024; AReaL,
+    Fu et al., 2025). The sampler takes the last devices so that the trainer keeps device 0, where
+    host callbacks and the evaluator run.
+    """
+    devices = list(devices)
+    count = round(sampler * len(devices)) if isinstance(sampler, float) else sampler
+    if not 1 <= count < len(devices):
+        raise ConfigError(f"mesh.sampler_devices={sampler} gives the sampler {count} of {len(devices)} devices; "
+                          f"leave at least one to each side (1 to {len(devices) - 1}, or a fraction between)")
+    return devices[:-count], devices[-count:]

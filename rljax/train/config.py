@@ -227,7 +227,18 @@ class RLSection:
     `resample_round_size` > 0 resamples instead (DAPO's own scheme, `rljax.data.resampling`):
     rounds of that many prompts until `prompts_per_iteration` groups have reward variance, at
     most `resample_max_rounds` rounds. It and `replay` run the iteration as sample -> host ->
-    update (`rljax.train.batching`)."""
+    update (`rljax.train.batching`).
+
+    `mode` picks how sampling and training overlap (`rljax.train.overlap`; the overlapped modes
+    need `mesh.sampler_devices` > 0, a sampler on its own devices):
+    - `sync`: sample, then update, every iteration (one program, or two with mesh.sampler=tensor).
+    - `one_step_off`: batch k+1 is sampled with the params before update k while update k runs
+      (verl's one-step off-policy pipeline); deterministic, and resumed exactly.
+    - `async`: a producer thread samples into a queue of at most `queue_batches` batches and the
+      trainer takes them; rows more than `max_staleness` policy versions old are dropped (AReaL's
+      bounded staleness eta, Fu et al., 2025). `stale_rows = "wait"` (AReaL's admission rule)
+      holds the sampler back so no batch goes stale in the queue; `"drop"` lets it run ahead
+      (bounded by the queue) and the trainer drops, and counts, the stale rows."""
 
     iterations: int = 60
     prompts_per_iteration: int = 64
@@ -237,8 +248,15 @@ class RLSection:
     resample_round_size: int = 0
     resample_max_rounds: int = 4
     replay: ReplaySection = ReplaySection()
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int = 1
+    queue_batches: int = 2
+    stale_rows: Literal["wait", "drop"] = "wait"
 
     def __post_init__(self):
+        if self.max_staleness < 0 or self.queue_batches < 1:
+            raise ConfigError(f"rl.max_staleness={self.max_staleness} must be >= 0 and rl.queue_batches="
+                              f"{self.queue_batches} >= 1")
         if self.resample_round_size < 0 or self.resample_max_rounds < 1:
             raise ConfigError(f"rl.resample_round_size={self.resample_round_size} must be >= 0 and "
                               f"rl.resample_max_rounds={self.resample_max_rounds} >= 1")
@@ -284,6 +302,10 @@ class MeshSection:
       tensor size) over the same devices, params replicated over data and split over heads and
       the MLP on tensor, so decoding needs no per-token all-gathers. Each iteration then reshards
       the params on device (`time/weight_sync_s`), runs a sampling program and an update program.
+
+    `sampler_devices` > 0 gives the sampler devices of its own (ReaLHF, Mei et al., 2024): the last
+    that many devices (a float in (0, 1): that fraction of them) form the sampler's mesh (data=-1 x
+    tensor=`sampler_tensor`), the rest the trainer's, so `rl.mode` can overlap the two.
     """
 
     data: int = 1
@@ -292,13 +314,18 @@ class MeshSection:
     devices: int = 0
     sampler: Literal["shared", "tensor"] = "shared"
     sampler_tensor: int = 0
+    sampler_devices: int | float = 0
 
     def __post_init__(self):
+        if not (self.sampler_devices == 0 or (isinstance(self.sampler_devices, int) and self.sampler_devices > 0)
+                or 0 < self.sampler_devices < 1):
+            raise ConfigError(f"mesh.sampler_devices={self.sampler_devices} must be a device count >= 1, a fraction "
+                              "in (0, 1), or 0 (the sampler shares the trainer's devices)")
         if self.sampler_tensor < 0:
             raise ConfigError(f"mesh.sampler_tensor={self.sampler_tensor} must be >= 0 (0: the trainer's tensor size)")
-        if self.sampler_tensor and self.sampler == "shared":
+        if self.sampler_tensor and self.sampler == "shared" and not self.sampler_devices:
             raise ConfigError("mesh.sampler_tensor only applies to a separate sampler layout; "
-                              "set mesh.sampler='tensor' or drop mesh.sampler_tensor")
+                              "set mesh.sampler='tensor' (or mesh.sampler_devices) or drop mesh.sampler_tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,6 +446,7 @@ class TrainConfig:
                               "remove [[data.sources]]/data.selection, rl.resample_round_size and rl.replay, or [env]")
         if self.env.enabled and self.env.credit == "turn":
             self._check_turn_credit()
+        self._check_mode()
         if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
                               f"update.num_minibatches * num_microbatches = {self.update.chunks}")
@@ -432,6 +460,24 @@ class TrainConfig:
         if self.algorithm.kl_in_reward or self.shaping.active:
             raise ConfigError("env.credit='turn' computes advantages from the env's turn rewards; it does not combine "
                               "with algorithm.kl_in_reward or [shaping]: drop them or set env.credit='episode'")
+
+    def _check_mode(self) -> None:
+        """The overlapped modes run the single-source pipeline with a sampler on its own devices."""
+        mode = self.rl.mode
+        if mode == "sync":
+            return
+        if not self.mesh.sampler_devices:
+            raise ConfigError(f"rl.mode={mode} overlaps sampling and training on separate devices; set "
+                              "mesh.sampler_devices (e.g. 1) or rl.mode=sync")
+        if self.env.enabled or self.host_batching:
+            raise ConfigError(f"rl.mode={mode} runs the single-source pipeline; remove [env], [[data.sources]]/"
+                              "data.selection, rl.resample_round_size and rl.replay, or set rl.mode=sync")
+        if self.rl.dynamic_sampling:
+            raise ConfigError(f"rl.mode={mode} does not support rl.dynamic_sampling yet; set "
+                              "rl.dynamic_sampling=false or rl.mode=sync")
+        if mode == "one_step_off" and self.data.prompt_buckets:
+            raise ConfigError("rl.mode=one_step_off checkpoints the pending batch, which needs one prompt length; "
+                              "drop data.prompt_buckets or set rl.mode=sync")
 
     @property
     def host_batching(self) -> bool:

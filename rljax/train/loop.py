@@ -16,6 +16,9 @@ one device); its data state (selection, streams, replay) is checkpointed like th
 
 With `mesh.sampler = "tensor"` the iteration is two programs instead (sampler layout, then
 trainer layout) with an on-device weight sync before them, timed as `time/weight_sync_s`.
+With `mesh.sampler_devices` the sampler has devices of its own, and `rl.mode = "one_step_off"`
+or `"async"` overlaps the two programs (`rljax.train.overlap`: a driver that pulls its own
+prompts, checkpointed with its pending batch or sample index).
 With an `[env]` section the rollout is multi-turn episodes with a tool (`rljax.train.episodes`:
 the environment stepped from inside the decode loop), still one program, and the held-out
 accuracy is that of greedy episodes.
@@ -48,7 +51,7 @@ from rljax.envs import get_format
 from rljax.sampling import SampleControls, multiturn
 from rljax.sharding import Layout, abstract_like, global_batch, process_rows
 from rljax.storage import check_writable
-from rljax.train import episodes, setup
+from rljax.train import episodes, overlap, setup
 from rljax.train.config import TrainConfig
 from rljax.train.batching import HostBatcher, HostDataState, Rounds
 from rljax.train.iteration import make_iteration, make_split_iteration, make_stages
@@ -96,6 +99,7 @@ class Run:
     ckpt: Checkpointer
     log: Callable[[str], None]
     env: Any = None  # the `[env]` section's environment (multi-turn episodes), or None
+    resumed_overlap: dict | None = None  # the overlapped driver's checkpointed state, when resuming
 
 
 def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
@@ -107,29 +111,37 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     """Runs `cfg` to completion (or resumes it from its latest checkpoint) and returns the result."""
     run = build_run(cfg, resume=resume, log=log)
     state, start, history, data_iter = initial_state(run, resume=resume)
-    iteration, callback = compile_iteration(run, state)
+    iteration, callback = compile_iteration(run, state, data_iter)
+    driver = iteration if cfg.rl.mode != "sync" else None
     progress = Progress(cfg.rl.iterations, start, enabled=_is_main() and cfg.metrics.progress_bar)
     accuracy = next((r["eval/accuracy"] for r in reversed(history) if r.get("eval/accuracy") is not None), None)
-    for it in range(start, cfg.rl.iterations):
-        prompts = _prompt_arrays(run, next(data_iter)) if run.sampler is None else ()
-        t0 = time.perf_counter()
-        state = maybe_reset_reference(state, it, cfg.rl.reference_reset_every)
-        state, metrics, preview = iteration(state, *prompts, jax.random.fold_in(run.keys["loop"], it))
-        metrics = jax.block_until_ready(metrics)  # the call returns at dispatch on an accelerator
-        metrics = step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(),
-                               fused=run.sampler_layout is None and run.sampler is None)
-        step = it + 1
-        last = step == cfg.rl.iterations
-        if step % cfg.eval.every == 0 or last:
-            metrics.update(evaluate(run, state))
-            accuracy = metrics["eval/accuracy"]
-        run.writer.write(step, metrics)
-        if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
-            run.writer.write_samples(step, preview_samples(run, preview))
-        history.append({"step": step, **metrics})
-        progress.update(metrics)
-        if step % cfg.checkpoint.every == 0 or last:
-            save(run, state, step, data_iter, accuracy)
+    try:
+        for it in range(start, cfg.rl.iterations):
+            t0 = time.perf_counter()
+            state = maybe_reset_reference(state, it, cfg.rl.reference_reset_every)
+            if driver is not None:  # it pulls its own prompts, one batch (or more) ahead
+                state, metrics, preview = driver.step(state, it)
+            else:
+                prompts = _prompt_arrays(run, next(data_iter)) if run.sampler is None else ()
+                state, metrics, preview = iteration(state, *prompts, jax.random.fold_in(run.keys["loop"], it))
+            metrics = jax.block_until_ready(metrics)  # the call returns at dispatch on an accelerator
+            metrics = step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(),
+                                   fused=run.sampler_layout is None and run.sampler is None)
+            step = it + 1
+            last = step == cfg.rl.iterations
+            if step % cfg.eval.every == 0 or last:
+                metrics.update(evaluate(run, state))
+                accuracy = metrics["eval/accuracy"]
+            run.writer.write(step, metrics)
+            if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
+                run.writer.write_samples(step, preview_samples(run, preview))
+            history.append({"step": step, **metrics})
+            progress.update(metrics)
+            if step % cfg.checkpoint.every == 0 or last:
+                save(run, state, step, data_iter, accuracy, driver=driver)
+    finally:
+        if driver is not None:  # stops an async producer on success, error or Ctrl-C alike
+            driver.close()
     progress.close()
     return finish(run, state, history, accuracy)
 
@@ -241,14 +253,22 @@ def initial_state(run: Run, *, resume: bool):
 
 def restore(run: Run, data_iter) -> tuple[TrainState, int]:
     """The latest checkpoint, placed straight into the trainer layout (each process reads only the
-    shards it holds), with the prompt iterator set to the batch after it."""
+    shards it holds), with the prompt iterator set to the batch after it. An overlapped run's
+    driver state (`overlap_template`) is kept in `run.resumed_overlap` for `compile_iteration`."""
     template = abstract_train_state(run)
-    restored = run.ckpt.restore(params=template.params, opt_state=template.opt_state, extra=_extra(template),
+    extra = _extra(template)
+    if run.cfg.rl.mode != "sync":
+        extra["overlap"] = overlap_template(run, template)
+    restored = run.ckpt.restore(params=template.params, opt_state=template.opt_state, extra=extra,
                                 model_config=run.model_cfg, adapters=template.adapters)
     data_iter.set_state(restored.data_state)
+    state_extra = dict(restored.extra)
+    run.resumed_overlap = state_extra.pop("overlap", None)
     run.log(f"resumed from {run.ckpt.directory}/{restored.step}")
+    if run.cfg.rl.mode == "async":
+        run.log("async: the batches in flight at the checkpoint are dropped; the rollout queue restarts empty")
     return template.replace(params=restored.params, opt_state=restored.opt_state, adapters=restored.adapters,
-                            **restored.extra), restored.step
+                            **state_extra), restored.step
 
 
 def evaluate(run: Run, state: TrainState) -> dict[str, float]:
@@ -299,10 +319,14 @@ def warm_start(run: Run):
                           validation=validation, log=run.log)
 
 
-def compile_iteration(run: Run, state: TrainState):
+def compile_iteration(run: Run, state: TrainState, data_iter=None):
     """The iteration program(s) and the verifier callback they call (its host time is read per step).
-    Shapes are global: `prompts_per_iteration` groups from `num_prompts` prompts over all processes."""
+    Shapes are global: `prompts_per_iteration` groups from `num_prompts` prompts over all processes.
+    In `rl.mode` one_step_off or async, the iteration is an `rljax.train.overlap` driver that
+    draws its prompts from `data_iter` itself."""
     cfg = run.cfg
+    if cfg.rl.mode != "sync":
+        return overlap_driver(run, state, data_iter)
     if run.env is not None:  # multi-turn episodes: the env's host side is the callback
         host = episodes.EpisodeHost(run.env, run.tokenizer, run.data.examples,
                                     max_observation_tokens=cfg.env.max_observation_tokens,
@@ -331,6 +355,40 @@ def compile_iteration(run: Run, state: TrainState):
     if prompt_layout is not None:
         _check_process_rows(prompt_layout, run.num_prompts)
     return iteration, callback
+
+
+def _overlap_programs(run: Run, state, callback) -> overlap.OverlapPrograms:
+    stages = make_stages(run.controls, callback, state, num_prompts=run.num_prompts,
+                         trainer=run.trainer_layout, sampler=run.sampler_layout)
+    return overlap.OverlapPrograms.from_stages(stages)
+
+
+def overlap_driver(run: Run, state: TrainState, data_iter):
+    """(driver, verifier callback) for `rl.mode` one_step_off or async, restored from
+    `run.resumed_overlap` when the run resumes."""
+    cfg = run.cfg
+    callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
+    programs = _overlap_programs(run, state, callback)
+    prompts = lambda: _prompt_arrays(run, next(data_iter))  # noqa: E731
+    if cfg.rl.mode == "one_step_off":
+        driver = overlap.OneStepOff(programs, prompts, run.keys["loop"])
+    else:
+        driver = overlap.AsyncDriver(programs, prompts, run.keys["loop"], max_staleness=cfg.rl.max_staleness,
+                                     queue_batches=cfg.rl.queue_batches, wait_for_fresh=cfg.rl.stale_rows == "wait",
+                                     rows=cfg.rl.prompts_per_iteration * cfg.sampling.num_samples)
+    if run.resumed_overlap is not None:
+        driver.restore_extra(run.resumed_overlap)
+    return driver, callback
+
+
+def overlap_template(run: Run, template: TrainState) -> dict:
+    """The restore target of the overlapped driver's checkpoint entry: one_step_off's pending batch
+    (the sampling program's output shapes, from `jax.eval_shape`) or async's next sample index."""
+    if run.cfg.rl.mode == "async":
+        return {"next_index": jax.ShapeDtypeStruct((), np.int32, sharding=run.trainer_layout.replicated)}
+    programs = _overlap_programs(run, template, as_callback(run.reward_fn, run.tokenizer, []))
+    params = abstract_like(jax.eval_shape(TrainState.sampler_params, template), programs.sampler_params_shardings)
+    return {"pending": programs.sample_template(params, run.num_prompts, run.cfg.data.max_prompt_tokens)}
 
 
 def episode_controls(run: Run) -> SampleControls:
@@ -384,10 +442,18 @@ def preview_samples(run: Run, preview) -> list[SampleRecord]:
             for i, (q, c) in enumerate(zip(prompts, completions))]
 
 
-def save(run: Run, state: TrainState, step: int, data_iter, accuracy: float | None) -> None:
+def save(run: Run, state: TrainState, step: int, data_iter, accuracy: float | None, *, driver=None) -> None:
+    """An async orbax save; an overlapped run adds its driver's state (`checkpoint_extra`), read
+    with the prompt iterator's under one lock (an async producer advances the iterator)."""
     best = {run.cfg.checkpoint.best_metric: accuracy} if run.cfg.checkpoint.best_metric else None
-    run.ckpt.save(step, params=state.params, opt_state=state.opt_state, extra=_extra(state), rng=run.keys["loop"],
-                  data_state=data_iter.get_state(), config=run.cfg.to_dict(), model_config=run.model_cfg,
+    extra = _extra(state)
+    if driver is not None:
+        with driver.data_lock:
+            data_state, extra["overlap"] = data_iter.get_state(), driver.checkpoint_extra()
+    else:
+        data_state = data_iter.get_state()
+    run.ckpt.save(step, params=state.params, opt_state=state.opt_state, extra=extra, rng=run.keys["loop"],
+                  data_state=data_state, config=run.cfg.to_dict(), model_config=run.model_cfg,
                   metrics=best, adapters=state.adapters, lora=state.lora)
 
 

@@ -1,4 +1,5 @@
-"""A one-line progress bar for the RL loop: reward, held-out accuracy and tokens/s."""
+"""A one-line progress bar for the RL loop: reward, held-out accuracy and tokens/s, and in the
+overlapped modes the sampler's and trainer's busy fractions (how much they overlap)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class Progress:
         post = {"reward": f"{metrics['rollout/reward_mean']:.3f}", "tok/s": f"{metrics['time/generated_tokens_per_s']:.0f}"}
         if self._acc is not None:
             post["acc"] = f"{self._acc:.3f}"
+        if "time/sampler_busy_frac" in metrics:  # overlapped modes: how busy each side was (overlap)
+            post["busy s/t"] = f"{metrics['time/sampler_busy_frac']:.2f}/{metrics['time/trainer_busy_frac']:.2f}"
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(1)
 

@@ -85,13 +85,25 @@ def build_layouts(section: MeshSection):
     The trainer layout is None on one device (nothing to shard); the sampler layout is None when
     the sampler shares the trainer's (`mesh.sampler = "shared"`) or there is nothing to shard.
     A multi-process run must use every device of every process.
+
+    With `mesh.sampler_devices` the two meshes are disjoint (`rljax.sharding.split_devices`): the
+    trainer's axes over the first devices, the sampler's data=-1 x tensor over the last ones,
+    each a layout even on one device (the overlapped modes place arrays on either side).
     """
-    from rljax.sharding import MeshConfig, make_mesh, sampler_layout, trainer_layout
+    from rljax.sharding import MeshConfig, make_mesh, sampler_layout, split_devices, trainer_layout
 
     devices = jax.devices()[:section.devices] if section.devices else jax.devices()
     if jax.process_count() > 1 and len(devices) != jax.device_count():
         raise ConfigError(f"mesh.devices={section.devices}: a {jax.process_count()}-process run must use all "
                           f"{jax.device_count()} devices; set mesh.devices=0")
+    if section.sampler_devices:
+        if jax.process_count() > 1:
+            raise ConfigError("mesh.sampler_devices runs in one process for now (no cross-host weight transport); "
+                              "set mesh.sampler_devices=0")
+        trainer_devices, sampler_devices = split_devices(devices, section.sampler_devices)
+        mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), trainer_devices)
+        sampler_mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=section.sampler_tensor or 1), sampler_devices)
+        return trainer_layout(mesh), sampler_layout(sampler_mesh)
     if len(devices) == 1:
         return None, None
     mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), devices)
