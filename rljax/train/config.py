@@ -238,7 +238,12 @@ class RLSection:
       trainer takes them; rows more than `max_staleness` policy versions old are dropped (AReaL's
       bounded staleness eta, Fu et al., 2025). `stale_rows = "wait"` (AReaL's admission rule)
       holds the sampler back so no batch goes stale in the queue; `"drop"` lets it run ahead
-      (bounded by the queue) and the trainer drops, and counts, the stale rows."""
+      (bounded by the queue) and the trainer drops, and counts, the stale rows.
+
+    `partial_rollouts` (async only, static scheduler; AReaL's interruptible rollouts): the sampler
+    checks for new params every `segment_steps` decode steps and, when a newer version arrived,
+    recomputes the KV cache under it and goes on; unfinished rows keep their tokens, each token
+    keeps the version and log-prob it was drawn with (`rljax.sampling.interruptible`)."""
 
     iterations: int = 60
     prompts_per_iteration: int = 64
@@ -252,8 +257,13 @@ class RLSection:
     max_staleness: int = 1
     queue_batches: int = 2
     stale_rows: Literal["wait", "drop"] = "wait"
+    partial_rollouts: bool = False
+    segment_steps: int = 8
 
     def __post_init__(self):
+        if self.segment_steps < 1:
+            raise ConfigError(f"rl.segment_steps={self.segment_steps} must be >= 1 (decode steps between checks "
+                              "for new params)")
         if self.max_staleness < 0 or self.queue_batches < 1:
             raise ConfigError(f"rl.max_staleness={self.max_staleness} must be >= 0 and rl.queue_batches="
                               f"{self.queue_batches} >= 1")
@@ -464,6 +474,12 @@ class TrainConfig:
     def _check_mode(self) -> None:
         """The overlapped modes run the single-source pipeline with a sampler on its own devices."""
         mode = self.rl.mode
+        if self.rl.partial_rollouts and mode != "async":
+            raise ConfigError(f"rl.partial_rollouts continues rollouts across weight updates, which only "
+                              f"rl.mode=async has; set rl.mode=async or rl.partial_rollouts=false (got {mode})")
+        if self.rl.partial_rollouts and self.sampling.scheduler != "static":
+            raise ConfigError(f"rl.partial_rollouts decodes with the static scheduler; set sampling.scheduler="
+                              f"'static' or rl.partial_rollouts=false (got {self.sampling.scheduler!r})")
         if mode == "sync":
             return
         if not self.mesh.sampler_devices:

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from rljax.sampling import SampleControls
 from rljax.sharding import Layout, sync_weights
 from rljax.sharding.rules import batch_axes
-from rljax.train.rollout import rollout
+from rljax.train.rollout import rollout, rollout_from_samples
 from rljax.update import TrainState, update
 
 
@@ -60,6 +60,16 @@ def _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling):
         return rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
                        reward_callback=reward_callback, num_groups=num_groups, needs=needs,
                        dynamic_sampling=dynamic_sampling)
+    return fn
+
+
+def _score_fn(controls, reward_callback, num_groups, dynamic_sampling):
+    """`rollout_from_samples` with the run's settings: the sampling program without its sampling."""
+    def fn(cfg, needs, params, out, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+        k_sample, _ = jax.random.split(key)  # as `_stage_programs` splits it: same baseline key
+        return rollout_from_samples(cfg, params, out, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample,
+                                    controls=controls, reward_callback=reward_callback, num_groups=num_groups,
+                                    needs=needs, dynamic_sampling=dynamic_sampling)
     return fn
 
 
@@ -151,6 +161,11 @@ class _SplitPrograms:
     update_jit: Callable
     batch_sh: NamedSharding
     prompts_sh: NamedSharding
+    # Interruptible rollouts (rl.partial_rollouts): the host drives the decode with these controls
+    # and model, then `score_jit(params, SampleResult, prompts, mask, index, key)` scores it.
+    controls: SampleControls
+    model_cfg: Any
+    score_jit: Callable
 
 
 def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups, trainer, sampler,
@@ -178,8 +193,12 @@ def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups
     update_jit = jax.jit(update_program, donate_argnums=(0,),
                          in_shardings=(state_shardings, batch_sh, trainer.replicated),
                          out_shardings=(state_shardings, trainer.replicated))
+    score = _score_fn(controls, reward_callback, num_groups, dynamic_sampling)
+    score_jit = jax.jit(lambda *args: score(cfg, needs, *args),  # inputs already on the sampler's mesh
+                        out_shardings=(rows_sharding(sampler, rows), sampler.replicated, sampler.replicated))
 
-    return _SplitPrograms(to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh, prompts_in)
+    return _SplitPrograms(to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh, prompts_in, controls, cfg,
+                          score_jit)
 
 
 def make_stages(controls: SampleControls, reward_callback: Callable, state: TrainState, *, num_prompts: int,

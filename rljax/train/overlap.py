@@ -21,6 +21,16 @@ skipped), updates, and publishes the new params to the sampler's mesh. The produ
 only host thread; it waits only with timeouts, and any failure on either side stops both
 (`close`). A checkpoint drops the in-flight batches: the resumed queue starts empty.
 
+Partial rollouts (`rl.partial_rollouts`, async only; AReaL's interruptible generation): the
+producer samples batch j with `rljax.sampling.interruptible.sample_with_updates`, asking the
+mailbox for newer params every `rl.segment_steps` decode steps. When the trainer has published
+a newer version mid-generation, unfinished rows keep their tokens, the KV cache is recomputed
+under the new params and decoding continues; then the sampling program's scoring half
+(`rljax.train.rollout.rollout_from_samples`, the same io_callback verifier) builds the batch.
+Each token's behaviour log-prob is the one it was drawn with (`sampler_logp_bt`), and a row's
+version is its oldest token's (`rollout_queue.row_versions`), so eta bounds every token trained.
+Without a swap the batch is bitwise the whole-batch program's.
+
 Keys: batch j is sampled with the first half of split(fold_in(loop key, j)) and trained with the
 second, as the synchronous iteration splits the key of iteration j.
 
@@ -30,13 +40,16 @@ Metrics per step, besides the stages' own: `time/weight_sync_s` (trainer -> samp
 near 1 means full overlap), `async/staleness_mean` / `async/staleness_max` (versions between
 the trained rows' policy and the trainer's), and in async `async/dropped_rows`,
 `async/skipped_batches`, `async/queue_depth` and `async/restarted_queue` (1 on the first step
-after a resume, whose queue started empty).
+after a resume, whose queue started empty), and `async/swaps` (weight swaps while the trained
+batch was generated; 0 without partial rollouts) and `async/mixed_version_rows` (its trained rows
+whose tokens came from more than one version).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import threading
 import time
 import warnings
@@ -46,10 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rljax.sampling.interruptible import sample_with_updates
 from rljax.sharding import sync_weights
 from rljax.train.iteration import Stages, merge_metrics
-from rljax.train.rollout_queue import (BusyClock, ParamsMailbox, RolloutQueue, Stopped, VersionedBatch,
-                                       fresh_rows)
+from rljax.train.rollout_queue import (BusyClock, ParamsMailbox, RolloutQueue, Stopped, VersionedBatch, fresh_rows,
+                                       mixed_version_rows, row_versions)
 from rljax.update import TrainState
 
 JOIN_TIMEOUT_S = 10.0  # a producer inside a long sampling program leaves once it returns
@@ -61,12 +75,15 @@ class OverlapPrograms:
     """The stages on the two meshes: `sample(params, tokens, mask, index, key)` on the sampler's,
     `update(state, batch, key)` on the trainer's (state donated), `to_sampler(state) -> (params,
     seconds)` the timed on-device copy of the policy into the sampler's layout, and
-    `to_trainer(batch)` the batch's copy onto the trainer's mesh."""
+    `to_trainer(batch)` the batch's copy onto the trainer's mesh, and `sample_partial(weights,
+    tokens, mask, index, key, segment_steps) -> (sample, version_bc, swaps)` the interruptible
+    form of `sample` (see the module docstring), polling `weights() -> (params, version)`."""
 
     sample: Callable
     update: Callable
     to_sampler: Callable
     to_trainer: Callable
+    sample_partial: Callable
     sampler_params_shardings: Any
     batch_sharding: Any
     replicated: Any  # the trainer mesh's replicated sharding
@@ -81,7 +98,21 @@ class OverlapPrograms:
         def to_sampler(state: TrainState):
             return sync_weights(jax.block_until_ready(p.to_sampler(state)), p.sampler_params_sh)
 
-        return cls(sample=p.sample_jit, update=p.update_jit, to_sampler=to_sampler,
+        def sample_partial(weights, prompt_tokens_pt, prompt_mask_pt, index_p, key, segment_steps: int):
+            prompts = jax.device_put((prompt_tokens_pt, prompt_mask_pt, index_p), p.prompts_sh)
+            k_sample, _ = jax.random.split(key)  # as the sampling program splits it
+            polled = []  # the params decoding ended with serve a greedy baseline, if the objective needs one
+
+            def weights_seen():
+                polled.append(weights())
+                return polled[-1]
+
+            out, version_bc, swaps = sample_with_updates(p.model_cfg, prompts[0], prompts[1], k_sample, p.controls,
+                                                         segment_steps=segment_steps, weights=weights_seen)
+            newest = max(polled, key=lambda pv: pv[1])[0]
+            return p.score_jit(newest, out, *prompts, key), version_bc, swaps
+
+        return cls(sample=p.sample_jit, update=p.update_jit, to_sampler=to_sampler, sample_partial=sample_partial,
                    to_trainer=lambda batch: jax.device_put(batch, p.batch_sh),
                    sampler_params_shardings=p.sampler_params_sh, batch_sharding=p.batch_sh,
                    replicated=jax.sharding.NamedSharding(p.batch_sh.mesh, jax.sharding.PartitionSpec()),
@@ -195,6 +226,7 @@ class TakenBatch:
     trainer_version: int
     staleness_b: np.ndarray
     keep_b: np.ndarray
+    version_bc: np.ndarray | None = None  # per-token versions (partial rollouts)
 
 
 class AsyncDriver:
@@ -209,12 +241,17 @@ class AsyncDriver:
     at least s - eta, so every row is at most eta versions old when trained and none is sampled
     only to be dropped; the sampler is ahead of the trainer by at most eta batches. Without it
     (`"drop"`) the producer never waits except on a full queue, and the trainer drops what
-    went stale."""
+    went stale.
+
+    `segment_steps` > 0 samples with partial rollouts (`rl.partial_rollouts`, polling for new
+    params every that many decode steps); 0 samples whole batches with one version."""
 
     def __init__(self, programs: OverlapPrograms, prompts: PromptSource, loop_key: jax.Array, *,
-                 max_staleness: int, queue_batches: int, rows: int, wait_for_fresh: bool = True):
+                 max_staleness: int, queue_batches: int, rows: int, wait_for_fresh: bool = True,
+                 segment_steps: int = 0):
         self.programs, self._prompts, self._keys = programs, prompts, programs.keys(loop_key)
         self.max_staleness, self.rows, self.wait_for_fresh = max_staleness, rows, wait_for_fresh
+        self.segment_steps = segment_steps
         self._stop = threading.Event()
         self.queue = RolloutQueue(queue_batches, self._stop)
         self._mailbox = ParamsMailbox()
@@ -250,19 +287,51 @@ class AsyncDriver:
                 self._clock.begin()
                 t0 = time.perf_counter()
                 try:
-                    out = jax.block_until_ready(self.programs.sample(params, *prompts, self._keys.sample(j)))
+                    item = self._sample(params, version, prompts, j)
                 finally:
                     self._clock.end()
-                self.queue.put(VersionedBatch(out, self.row_versions(out, version), j, time.perf_counter() - t0))
+                self.queue.put(dataclasses.replace(item, sample_s=time.perf_counter() - t0))
         except Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which re-raises it
             self.queue.error = e
 
+    def _sample(self, params, version: int, prompts, j: int) -> VersionedBatch:
+        """Batch j, sampled whole with `params` (version `version`), or as a partial rollout that
+        starts with them and takes up newer ones (`poll_weights`) between segments."""
+        key = self._keys.sample(j)
+        if not self.segment_steps:
+            out = jax.block_until_ready(self.programs.sample(params, *prompts, key))
+            return VersionedBatch(out, self.row_versions(out, version), j, 0.0)
+        polls = itertools.count()
+
+        def weights():
+            n = next(polls)
+            if self._stop.is_set():  # leave within one segment when the run stops
+                raise Stopped
+            return (params, version) if n == 0 else self.poll_weights(j, n)
+
+        out, version_bc, swaps = self.programs.sample_partial(weights, *prompts, key, self.segment_steps)
+        version_bc = np.asarray(jax.device_get(version_bc))
+        out = jax.block_until_ready(out)
+        return VersionedBatch(out, row_versions(version_bc, version), j, 0.0, version_bc, swaps)
+
+    def poll_weights(self, j: int, poll: int) -> tuple[Any, int]:
+        """The (sampler params, version) a partial rollout of batch j continues with, asked before
+        its `poll`-th segment (poll >= 1; poll 0 is the version the batch started with): the newest
+        published. A seam for tests and schedulers (`wait_for_version` forces a swap)."""
+        del j, poll
+        return self._mailbox.latest()
+
+    def wait_for_version(self, version: int) -> tuple[Any, int]:
+        """The newest (params, version) once the trainer has published `version` (raises
+        `Stopped` if the run stops first)."""
+        return self._mailbox.wait_for(lambda: version, self._stop)
+
     def row_versions(self, sample, version: int) -> np.ndarray:
-        """Each row's policy version, int32 [rows]: the version the batch was sampled with. An
-        interruptible rollout reports per-token versions instead (`version_bc`), and its row
-        version is `rljax.train.rollout_queue.row_versions` of them (the oldest)."""
+        """Each row's policy version, int32 [rows], of a batch sampled whole: the version it was
+        sampled with. A partial rollout's rows take their oldest token's version instead
+        (`rljax.train.rollout_queue.row_versions` of `version_bc`)."""
         del sample
         return np.full((self.rows,), version, np.int32)
 
@@ -284,7 +353,7 @@ class AsyncDriver:
             item = self.queue.get()
             keep_b, staleness_b = fresh_rows(item.version_b, it, self.max_staleness)
             dropped += int((~keep_b).sum())
-            self.taken.append(TakenBatch(item.index, it, staleness_b, keep_b))
+            self.taken.append(TakenBatch(item.index, it, staleness_b, keep_b, item.version_bc))
             if keep_b.any():
                 break
             skipped += 1
@@ -304,9 +373,11 @@ class AsyncDriver:
         wall = end - start
         self._last_end = end
         kept = staleness_b[keep_b]
+        mixed = 0 if item.version_bc is None else int((mixed_version_rows(item.version_bc) & keep_b).sum())
         metrics = {"async/staleness_mean": float(kept.mean()), "async/staleness_max": float(kept.max()),
                    "async/dropped_rows": float(dropped), "async/skipped_batches": float(skipped),
                    "async/queue_depth": float(depth), "async/restarted_queue": float(self.restarted),
+                   "async/swaps": float(item.swaps), "async/mixed_version_rows": float(mixed),
                    "time/weight_sync_s": sync_s, "time/update_s": update_s, "time/sample_s": item.sample_s,
                    "time/trainer_busy_frac": (update_s + sync_s) / wall,
                    "time/sampler_busy_frac": self._clock.busy_seconds(start, end) / wall}

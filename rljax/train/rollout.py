@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from rljax.data.filtering import dynamic_sample
 from rljax.objectives.config import RolloutNeeds
-from rljax.sampling import FINISH_LENGTH, SampleControls, sample
+from rljax.sampling import FINISH_LENGTH, SampleControls, SampleResult, sample
 from rljax.update import RolloutBatch
 
 PREVIEW_ROWS = 4
@@ -59,8 +59,21 @@ def rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, cont
     P prompts are sampled (P > num_groups over-samples for dynamic sampling, DAPO 2025: groups
     whose rewards all agree are dropped, and missing groups are filled with masked copies).
     """
-    n = controls.num_samples
     out = sample(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls)
+    return rollout_from_samples(cfg, params, out, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
+                                reward_callback=reward_callback, num_groups=num_groups, needs=needs,
+                                dynamic_sampling=dynamic_sampling)
+
+
+def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, prompt_mask_pt, index_p, key, *,
+                         controls: SampleControls, reward_callback: Callable, num_groups: int,
+                         needs: RolloutNeeds = RolloutNeeds(), dynamic_sampling: bool = False
+                         ) -> tuple[RolloutBatch, dict[str, jax.Array], RolloutPreview]:
+    """`rollout` after its sampling: score and select completions `out` ([P * n, C], prompt-major)
+    sampled elsewhere, e.g. by an interruptible rollout whose tokens came from several policy
+    versions (`rljax.sampling.interruptible`). `out.logprobs` becomes `sampler_logp_bt`, each
+    token's behaviour log-prob. `params` and `key` serve only a greedy baseline (`needs`)."""
+    n = controls.num_samples
     rewards = reward_callback(out.tokens, out.mask, _repeat_rows(index_p, n))
     p = prompt_tokens_pt.shape[0]
     metrics: dict[str, jax.Array] = {}

@@ -34,12 +34,15 @@ class Stopped(Exception):
 class VersionedBatch:
     """One sampled batch: the sampling program's (RolloutBatch, rollout metrics, preview), the
     policy version of each row, the sample index j (its key is fold_in(loop key, j)), and the
-    sampler's seconds on it."""
+    sampler's seconds on it. An interruptible rollout adds each token's version (`version_bc`,
+    -1 where no token) and the number of weight swaps while it was generated."""
 
     sample: Any
     version_b: np.ndarray  # int32 [rows]
     index: int
     sample_s: float
+    version_bc: np.ndarray | None = None  # int32 [rows, max_new_tokens]
+    swaps: int = 0
 
 
 def row_versions(version_bc: np.ndarray, fallback: int) -> np.ndarray:
@@ -48,6 +51,13 @@ def row_versions(version_bc: np.ndarray, fallback: int) -> np.ndarray:
     has = version_bc >= 0
     oldest = np.where(has, version_bc, np.iinfo(np.int32).max).min(axis=1)
     return np.where(has.any(axis=1), oldest, fallback).astype(np.int32)
+
+
+def mixed_version_rows(version_bc: np.ndarray) -> np.ndarray:
+    """bool [B]: rows whose tokens (>= 0) came from more than one policy version."""
+    has = version_bc >= 0
+    newest = np.where(has, version_bc, np.iinfo(np.int32).min).max(axis=1)
+    return has.any(axis=1) & (newest != row_versions(version_bc, fallback=0))
 
 
 def fresh_rows(version_b: np.ndarray, trainer_version: int, max_staleness: int) -> tuple[np.ndarray, np.ndarray]:
