@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -73,19 +75,23 @@ class _Run:
 @pytest.fixture(scope="module")
 def programs():
     trainer, sampler = setup.build_layouts(MeshSection(devices=2, sampler_devices=1))
-    state = init_train_state(CFG, init_params(CFG, jax.random.key(0)), ALGO, OPTIM, layout=trainer)
-    state = jax.device_put(state, trainer.tree(state))  # every leaf placed, as `rljax train` builds it
-    progs = overlap.OverlapPrograms.from_stages(make_stages(CONTROLS, reward_callback, state, num_prompts=P,
+    params = init_params(CFG, jax.random.key(0))
+
+    def fresh_state():  # every leaf placed, as `rljax train` builds it; a new one per run (updates donate it)
+        state = init_train_state(CFG, jax.tree.map(jnp.copy, params), ALGO, OPTIM, layout=trainer)
+        return jax.device_put(state, trainer.tree(state))
+
+    progs = overlap.OverlapPrograms.from_stages(make_stages(CONTROLS, reward_callback, fresh_state(), num_prompts=P,
                                                             trainer=trainer, sampler=sampler))
-    return progs, state
+    return progs, fresh_state
 
 
 @pytest.fixture(scope="module")
 def run(programs) -> _Run:
     """Three async steps with partial rollouts (one-step segments, eta = 1, rl.stale_rows="wait")
     and a swap forced into batches 1 and 2."""
-    progs, state = programs
-    batches, published = [], []
+    progs, fresh_state = programs
+    state, batches, published = fresh_state(), [], []
 
     def update(state, batch, key):
         batches.append(batch)
@@ -168,6 +174,47 @@ def test_without_a_swap_it_is_the_whole_batch_program(run, programs):
     for name in ("tokens_bt", "attn_mask_bt", "loss_mask_bt", "sampler_logp_bt", "rewards_b"):
         np.testing.assert_array_equal(np.asarray(getattr(run.batches[0], name)), np.asarray(getattr(whole, name)),
                                       name)
+
+
+class _StuckMidRow(overlap.AsyncDriver):
+    """Batch j >= 1 waits mid-generation for a version the trainer never publishes (`waiting` is
+    set as it starts to wait)."""
+
+    waiting = threading.Event()
+
+    def poll_weights(self, j, poll):
+        if j >= 1:
+            self.waiting.set()
+            return self.wait_for_version(99)
+        return super().poll_weights(j, poll)
+
+
+def test_a_trainer_failure_stops_a_producer_waiting_mid_rollout(programs, run):
+    """The first update raises while the producer is inside batch 1's partial rollout, waiting
+    for new params between segments: the error reaches the caller and the producer thread is gone
+    within 5 s of it.
+    Catches: a mid-rollout wait for weights that ignores the stop request (the producer would
+    hang, holding the sampler's devices, until its join times out)."""
+    del run  # its segments are compiled: the 5 s measure the stop, not a compile
+    progs, fresh_state = programs
+    state = fresh_state()
+
+    def failing_update(state, batch, key):
+        assert _StuckMidRow.waiting.wait(10)  # fail once the producer is inside batch 1, waiting
+        raise ValueError("trainer exploded")
+
+    before = {t for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    counter = itertools.count()
+    driver = _StuckMidRow(dataclasses.replace(progs, update=failing_update), lambda: prompts_at(next(counter)),
+                          LOOP_KEY, rows=ROWS, max_staleness=1, queue_batches=1, segment_steps=1)
+    with pytest.raises(ValueError, match="trainer exploded"):
+        try:
+            driver.step(state, 0)
+        finally:
+            failed = time.perf_counter()
+            driver.close()
+    assert time.perf_counter() - failed < 5
+    assert {t for t in threading.enumerate() if not isinstance(t, threading._DummyThread)} <= before
 
 
 ASYNC = ["mesh.devices=2", "mesh.sampler_devices=1"]
