@@ -345,14 +345,31 @@ def test_one_step_off_resumes_exactly(tmp_path):
     assert untimed(full.history)[3:] == untimed(resumed.history)[3:]
 
 
-def test_async_resume_restarts_an_empty_queue(tmp_path):
+def test_async_resume_restarts_an_empty_queue(tmp_path, monkeypatch):
     """`rljax train` with rl.mode=async resumes from its checkpoint with an empty queue and says so
-    (`async/restarted_queue` 1 on the first resumed step only).
+    (`async/restarted_queue` 1 on the first resumed step only). The resumed half runs with
+    `rl.partial_rollouts=true`: its producer must sample through the interruptible sampler.
     Catches: a resume that crashes on the driver's checkpoint entry (a restore template that does
-    not match what was saved), or does not report the dropped in-flight batches."""
+    not match what was saved), or does not report the dropped in-flight batches; a loop that
+    builds the async driver without `rl.segment_steps` (partial rollouts silently off)."""
     args = RUN + ["rl.mode=async", "rl.max_staleness=2", "checkpoint.every=2", f"output_dir='{tmp_path}'"]
     first = train(load_config(None, args + ["rl.iterations=2"]), log=lambda *_: None)
-    resumed = train(load_config(None, args + ["rl.iterations=4"]), resume=True, log=lambda *_: None)
+    segments = []
+    from_stages = overlap.OverlapPrograms.from_stages
+
+    def counting(stages):
+        programs = from_stages(stages)
+        partial = programs.sample_partial
+
+        def sample_partial(*args):
+            segments.append(args[-1])  # segment_steps
+            return partial(*args)
+        return dataclasses.replace(programs, sample_partial=sample_partial)
+
+    monkeypatch.setattr(overlap.OverlapPrograms, "from_stages", staticmethod(counting))
+    resumed = train(load_config(None, args + ["rl.iterations=4", "rl.partial_rollouts=true", "rl.segment_steps=3"]),
+                    resume=True, log=lambda *_: None)
+    assert segments and set(segments) == {3}
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if "async/restarted_queue" in r]
     assert [r["async/restarted_queue"] for r in rl] == [0, 0, 1, 0]

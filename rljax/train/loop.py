@@ -375,7 +375,8 @@ def overlap_driver(run: Run, state: TrainState, data_iter):
     else:
         driver = overlap.AsyncDriver(programs, prompts, run.keys["loop"], max_staleness=cfg.rl.max_staleness,
                                      queue_batches=cfg.rl.queue_batches, wait_for_fresh=cfg.rl.stale_rows == "wait",
-                                     rows=cfg.rl.prompts_per_iteration * cfg.sampling.num_samples)
+                                     rows=cfg.rl.prompts_per_iteration * cfg.sampling.num_samples,
+                                     segment_steps=cfg.rl.segment_steps if cfg.rl.partial_rollouts else 0)
     if run.resumed_overlap is not None:
         driver.restore_extra(run.resumed_overlap)
     return driver, callback
