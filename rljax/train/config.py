@@ -306,6 +306,11 @@ class MeshSection:
     `sampler_devices` > 0 gives the sampler devices of its own (ReaLHF, Mei et al., 2024): the last
     that many devices (a float in (0, 1): that fraction of them) form the sampler's mesh (data=-1 x
     tensor=`sampler_tensor`), the rest the trainer's, so `rl.mode` can overlap the two.
+
+    `sampler_processes` = k > 0 (a multi-process `rl.mode = "async"` run) makes the last k
+    processes sampler hosts and the others trainer hosts (`rljax.train.remote`): each side's mesh
+    is its own process's devices, weights and rollouts move over `rljax.sharding.transport`, and a
+    peer silent for `transport_timeout_s` seconds stops the run.
     """
 
     data: int = 1
@@ -315,8 +320,16 @@ class MeshSection:
     sampler: Literal["shared", "tensor"] = "shared"
     sampler_tensor: int = 0
     sampler_devices: int | float = 0
+    sampler_processes: int = 0
+    transport_timeout_s: float = 120.0
 
     def __post_init__(self):
+        if self.sampler_processes < 0 or self.transport_timeout_s <= 0:
+            raise ConfigError(f"mesh.sampler_processes={self.sampler_processes} must be >= 0 and "
+                              f"mesh.transport_timeout_s={self.transport_timeout_s} > 0")
+        if self.sampler_processes and self.sampler_devices:
+            raise ConfigError("mesh.sampler_processes gives the sampler whole processes; drop mesh.sampler_devices "
+                              "(set it to 0)")
         if not (self.sampler_devices == 0 or (isinstance(self.sampler_devices, int) and self.sampler_devices > 0)
                 or 0 < self.sampler_devices < 1):
             raise ConfigError(f"mesh.sampler_devices={self.sampler_devices} must be a device count >= 1, a fraction "
@@ -464,9 +477,12 @@ class TrainConfig:
     def _check_mode(self) -> None:
         """The overlapped modes run the single-source pipeline with a sampler on its own devices."""
         mode = self.rl.mode
+        if self.mesh.sampler_processes and mode != "async":
+            raise ConfigError(f"mesh.sampler_processes={self.mesh.sampler_processes} runs the sampler hosts "
+                              f"asynchronously; set rl.mode=async (got {mode}) or mesh.sampler_processes=0")
         if mode == "sync":
             return
-        if not self.mesh.sampler_devices:
+        if not (self.mesh.sampler_devices or self.mesh.sampler_processes):
             raise ConfigError(f"rl.mode={mode} overlaps sampling and training on separate devices; set "
                               "mesh.sampler_devices (e.g. 1) or rl.mode=sync")
         if self.env.enabled or self.host_batching:
