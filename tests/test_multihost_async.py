@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,7 +68,21 @@ def _rows(out_dir) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_trainer_and_sampler_processes_train_with_bounded_staleness(tmp_path):
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """(output dir, seconds) of a 3-iteration two-process run that both processes finished with 0."""
+    out = tmp_path_factory.mktemp("remote") / "run"
+    start = time.perf_counter()
+    procs = _start(out, "rl.iterations=3", "mesh.transport_timeout_s=60")
+    logs = _communicate(procs)
+    seconds = time.perf_counter() - start
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    assert "sampler process 1: " in logs[1]
+    return out, seconds
+
+
+def test_trainer_and_sampler_processes_train_with_bounded_staleness(three_steps, tmp_path):
     """Process 0 trains 3 iterations on rollouts that process 1 samples with the weights it pulls.
     Both exit 0; the trainer writes one row per step with staleness <= eta, in which a row was
     sampled with weights the trainer published after an update (batch 2 must be drawn with
@@ -79,16 +94,9 @@ def test_trainer_and_sampler_processes_train_with_bounded_staleness(tmp_path):
     a trainer that trains on nothing (params equal the initial ones), a missing stop key (the
     sampler waits out its timeout and exits non-zero), a checkpoint that every process must join
     (orbax's barrier hangs: the test times out)."""
-    out = tmp_path / "run"
-    start = time.perf_counter()
-    procs = _start(out, "rl.iterations=3", "mesh.transport_timeout_s=60")
-    logs = _communicate(procs)
-    seconds = time.perf_counter() - start
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    assert "sampler process 1: " in logs[1]
+    out, seconds = three_steps
     rows = _rows(out)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3], logs[0][-3000:]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     trained = rows[1:]
     assert max(r["async/staleness_max"] for r in trained) <= _ETA
     assert sum(r["async/dropped_rows"] for r in trained) == 0
@@ -111,14 +119,35 @@ def test_trainer_and_sampler_processes_train_with_bounded_staleness(tmp_path):
     assert max(moved) > 1e-4
 
 
+def test_a_resumed_run_restarts_the_queue_empty(three_steps, tmp_path):
+    """The 3-step run resumed to 4 steps in two new processes: the trainer restores its checkpoint
+    (saved from host copies), the sampler restarts at the trainer's next batch with the restored
+    weights, and step 4 reports the restarted queue, with staleness 0 (its batch can only be drawn
+    with version 3, the one the resumed trainer publishes first).
+    Catches: a resumed sampler that starts from batch 0 (the trainer refuses the wrong index), a
+    checkpoint that does not restore across processes, a restart not reported."""
+    out = tmp_path / "run"
+    shutil.copytree(three_steps[0], out)
+    procs = _start(out, "rl.iterations=4", "mesh.transport_timeout_s=60", "--resume")
+    for p, log in zip(procs, _communicate(procs)):
+        assert p.returncode == 0, log[-3000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["async/restarted_queue"] for r in rows[1:]] == [0, 0, 0, 1]
+    assert rows[4]["async/staleness_max"] == 0
+
+
 def test_a_killed_sampler_stops_the_trainer_with_the_transport_timeout(tmp_path):
     """The sampler process is killed (SIGKILL) once the trainer has written step 1; the trainer,
-    waiting for the next rollout, fails within its 3 s transport timeout plus shutdown, with the
-    transport's one-line TransportTimeout naming the rollout channel, instead of hanging.
+    waiting for the next rollout, fails within its 3 s transport timeout (TransportTimeout naming
+    the rollout channel) or at once when the kill broke a pull in flight (SamplerLost, one line),
+    and exits without waiting out jax.distributed's shutdown barrier on the dead process.
     Catches: a trainer wait without a deadline (the test's kill timer fires instead), a wait
-    that swallows the timeout and retries."""
+    that swallows the timeout and retries, an exit through the shutdown barrier (100 s, then
+    SIGABRT)."""
     out = tmp_path / "run"
-    procs = _start(out, "rl.iterations=1000", "mesh.transport_timeout_s=3")
+    procs = _start(out, "rl.iterations=1000", "mesh.transport_timeout_s=3", "warm_start.steps=0",
+                   "checkpoint.every=1000")
     try:
         deadline = time.monotonic() + _TIMEOUT_S
         while len(_rows(out)) < 2:
@@ -131,7 +160,9 @@ def test_a_killed_sampler_stops_the_trainer_with_the_transport_timeout(tmp_path)
     finally:
         _communicate(procs, timeout_s=1)
     assert procs[0].returncode != 0
-    assert "TransportTimeout: no item" in log and "rljax/transport/rollouts/1/item/" in log, log[-3000:]
+    lost = [x for x in log.splitlines() if x.startswith(("rljax.sharding.transport.TransportTimeout: no item",
+                                                          "rljax.train.remote.SamplerLost: "))]
+    assert len(lost) == 1 and "rollouts/1" in lost[0], log[-3000:]
     print(f"\ntrainer stopped {stopped_after:.1f} s after the kill")
     assert stopped_after < 30
 

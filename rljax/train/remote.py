@@ -25,8 +25,12 @@ starts only once the sampler holds a version >= that iteration - eta; the traine
 skip count to the store so the bound falls with each skipped batch.
 
 Stopping: the trainer writes a stop key when it leaves (success, error or Ctrl-C); a sampler
-checks it at every wait. Every wait has the transport's deadline (`mesh.transport_timeout_s`),
-so a dead sampler stops the trainer with `TransportTimeout` and a dead trainer stops the samplers.
+checks it at every wait. The trainer's waits have the transport's deadline
+(`mesh.transport_timeout_s`; a sampler's first batch, which includes its compile, gets
+`FIRST_BATCH_TIMEOUT_S`), so a dead sampler stops the trainer with `TransportTimeout`. The
+samplers' waits have none (the trainer may be busy for long: compiles, evaluation,
+checkpoints); a killed trainer takes the store with it (the coordinator runs in process 0),
+which ends them at once.
 A resumed run starts with empty queues (the store is new): the samplers restart at the
 trainer's next index j0, and the first step reports `async/restarted_queue`.
 
@@ -64,6 +68,10 @@ START_KEY = f"{_KEYS}/start"  # "j0:v0": the trainer's first batch index and pol
 SKIPPED_KEY = f"{_KEYS}/skipped"
 _POLL_S = 0.002
 FIRST_BATCH_TIMEOUT_S = 900.0  # the wait for each sampler's first batch, which includes its compile
+
+
+class SamplerLost(RuntimeError):
+    """A sampler host's connection broke mid-transfer (the process died)."""
 
 
 def rollout_channel(sampler: int) -> str:
@@ -174,6 +182,7 @@ class RemoteDriver:
         self._taken_per_channel = [0] * len(self.roles.samplers)
         self._skipped = 0
         self._started = False
+        self._peer_lost = False
         self._last_end: float | None = None
 
     def _publish(self, state: TrainState, version: int) -> float:
@@ -191,6 +200,14 @@ class RemoteDriver:
             t.timeout_s = max(timeout_s, FIRST_BATCH_TIMEOUT_S)
         try:
             item = t.get(rollout_channel(self.roles.samplers[s]), n, self._like)
+        except TransportTimeout:
+            self._peer_lost = True
+            raise
+        except jax.errors.JaxRuntimeError as e:  # the sampler died while its batch was being pulled
+            self._peer_lost = True
+            raise SamplerLost(f"the connection to sampler process {self.roles.samplers[s]} broke while pulling "
+                              f"{rollout_channel(self.roles.samplers[s])} item {n}: the process died; check its log "
+                              f"({str(e).splitlines()[0]})") from None
         finally:
             t.timeout_s = timeout_s
         self._taken_per_channel[s] += 1
@@ -262,8 +279,19 @@ class RemoteDriver:
         self.restarted = True
 
     def close(self) -> None:
-        """Tells the sampler hosts to stop (they check at every wait)."""
+        """Tells the sampler hosts to stop (they check at every wait). After a sampler host went
+        silent, this process also leaves jax.distributed without its shutdown barrier: at exit the
+        barrier would wait for the dead process's heartbeat timeout (100 s) and then abort."""
         self._transport.store.key_value_set(STOP_KEY, "1", allow_overwrite=True)
+        if self._peer_lost:
+            _leave_without_barrier()
+
+
+def _leave_without_barrier() -> None:
+    from jax._src import distributed  # the public API has no shutdown without the barrier
+
+    distributed.global_state.preemption_sync_manager = None
+    distributed.global_state.client = None  # its shutdown() is the barrier; the service stops alone
 
 
 # ----------------------------------------------------------------------------- sampler host
@@ -294,20 +322,19 @@ class RemoteSampler:
     def _stopped(self) -> bool:
         return _try(self.transport, STOP_KEY) is not None
 
-    def _wait(self, ready, what: str, *, bounded: bool = True):
-        """Polls `ready()` until it returns something not None; raises _Stop on the stop key and
-        TransportTimeout past the deadline (`bounded=False`: none, for the trainer's start, which
-        follows its warm start; a dead trainer still ends it, as the store dies with process 0)."""
-        deadline = time.monotonic() + (self.transport.timeout_s if bounded else float("inf"))
+    def _wait(self, ready):
+        """Polls `ready()` until it returns something not None; raises _Stop on the stop key.
+
+        No deadline: every wait here is on the trainer, which may legitimately be busy for long
+        (its warm start, compiles, evaluation, checkpoints). A trainer that fails or is
+        interrupted writes the stop key on its way out, and one that is killed takes the store
+        with it (the coordinator runs in process 0), which `_try` raises at once."""
         while True:
             value = ready()
             if value is not None:
                 return value
             if self._stopped():
                 raise _Stop
-            if time.monotonic() > deadline:
-                raise TransportTimeout(f"no {what} within {self.transport.timeout_s:.0f} s: the trainer process died "
-                                       "or stalled; check its log")
             time.sleep(_POLL_S)
 
     def _pull(self):
@@ -331,22 +358,20 @@ class RemoteSampler:
         me = self.roles.samplers.index(self.roles.process)
         k = len(self.roles.samplers)
         channel = rollout_channel(self.roles.process)
-        j0, v0 = (int(x) for x in self._wait(lambda: _try(t, START_KEY), "start index from the trainer",
-                                                 bounded=False).split(":"))
+        j0, v0 = (int(x) for x in self._wait(lambda: _try(t, START_KEY)).split(":"))
         keys = self.programs.keys(self.loop_key)
         self._put_count = 0
         self._pull_s = 0.0
-        version, params = self._wait(self._pull, "first weights")
+        version, params = self._wait(self._pull)
         for j, prompts in enumerate(self.prompt_stream):
             if j < j0 or j % k != me:
                 continue
             # the queue bound: at most queue_batches put and not yet consumed
-            self._wait(lambda: True if self._put_count - t.consumed(channel) < self.queue_batches else None,
-                       f"room in {channel} (the trainer consumed {t.consumed(channel)})")
+            self._wait(lambda: True if self._put_count - t.consumed(channel) < self.queue_batches else None)
             need = lambda: v0 + (j - j0) - int(_try(t, SKIPPED_KEY) or 0) - self.max_staleness  # noqa: E731
             newer = self._pull()
             while newer is None and self.wait_for_fresh and version < need():
-                newer = self._wait(self._pull, f"weights version >= {need()} for batch {j}")
+                newer = self._wait(self._pull)
                 if newer[0] < need():
                     version, params = newer
                     newer = None
