@@ -172,10 +172,12 @@ def test_a_killed_sampler_stops_the_trainer_with_the_transport_timeout(tmp_path)
     (["mesh.sampler_processes=1", "rl.mode=async", "mesh.sampler_devices=1"], "mesh.sampler_devices"),
     (["mesh.sampler_processes=-1"], "mesh.sampler_processes"),
     (["mesh.transport_timeout_s=0"], "transport_timeout_s"),
+    (["mesh.sampler_processes=1", "rl.mode=async", "data.prompt_buckets=[32]"], "data.prompt_buckets"),
 ])
 def test_sampler_processes_config_errors(overrides, match):
-    """Catches: a sampler host in sync mode, sampler processes combined with sampler devices, or a
-    negative count / zero timeout accepted at load instead of refused with one line."""
+    """Catches: a sampler host in sync mode, sampler processes combined with sampler devices or
+    prompt buckets (rollouts cross hosts with one shape), or a negative count / zero timeout
+    accepted at load instead of refused with one line."""
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
 

@@ -480,6 +480,9 @@ class TrainConfig:
         if self.mesh.sampler_processes and mode != "async":
             raise ConfigError(f"mesh.sampler_processes={self.mesh.sampler_processes} runs the sampler hosts "
                               f"asynchronously; set rl.mode=async (got {mode}) or mesh.sampler_processes=0")
+        if self.mesh.sampler_processes and self.data.prompt_buckets:
+            raise ConfigError("mesh.sampler_processes moves rollouts of one prompt length between hosts; drop "
+                              "data.prompt_buckets or set mesh.sampler_processes=0")
         if mode == "sync":
             return
         if not (self.mesh.sampler_devices or self.mesh.sampler_processes):

@@ -40,7 +40,9 @@ trainer mesh), which the local-meshes-only design here leaves for a later step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -57,7 +59,7 @@ from rljax.sharding.transport import Transport, TransportTimeout
 from rljax.train import setup
 from rljax.train.config import MeshSection, TrainConfig
 from rljax.train.iteration import make_stages, merge_metrics
-from rljax.train.overlap import OverlapPrograms, TakenBatch, _mask_rows_jit
+from rljax.train.overlap import OverlapPrograms, TakenBatch
 from rljax.train.rollout_queue import fresh_rows
 from rljax.update import TrainState, init_train_state
 
@@ -138,10 +140,10 @@ def host_copy(trees):
     return jax.device_get(trees)
 
 
-def check(cfg: TrainConfig) -> None:
-    if cfg.data.prompt_buckets:
-        raise ConfigError("mesh.sampler_processes moves rollouts of one prompt length between hosts; drop "
-                          "data.prompt_buckets or set mesh.sampler_processes=0")
+@jax.jit
+def _drop_rows(batch, keep_b):
+    """The stale rows out of the loss (mask zeroed), so shapes stay static."""
+    return batch.replace(loss_mask_bt=batch.loss_mask_bt & keep_b[:, None])
 
 
 def _item_like(programs: OverlapPrograms, sampler_params, rows: int, num_prompts: int, prompt_len: int):
@@ -166,8 +168,6 @@ class RemoteDriver:
 
     def __init__(self, programs: OverlapPrograms, loop_key: jax.Array, cfg: TrainConfig, state: TrainState,
                  *, num_prompts: int, transport: Transport | None = None):
-        import threading
-
         self.programs, self._keys = programs, programs.keys(loop_key)
         self.roles = Roles.from_mesh(cfg.mesh)
         self.max_staleness = cfg.rl.max_staleness
@@ -178,7 +178,7 @@ class RemoteDriver:
         self.data_lock = threading.Lock()
         self.next_index = 0  # the next batch index j to take
         self.restarted = False
-        self.taken: list[TakenBatch] = []
+        self.taken: collections.deque[TakenBatch] = collections.deque(maxlen=4096)
         self._taken_per_channel = [0] * len(self.roles.samplers)
         self._skipped = 0
         self._started = False
@@ -242,7 +242,7 @@ class RemoteDriver:
         batch, rollout_metrics, preview = item["sample"]
         batch = self.programs.to_trainer(batch)
         if not keep_b.all():
-            batch = _mask_rows_jit(batch, jax.device_put(keep_b, self.programs.batch_sharding))
+            batch = _drop_rows(batch, jax.device_put(keep_b, self.programs.batch_sharding))
         t0 = time.perf_counter()
         state, train_metrics = self.programs.update(state, batch, self._keys.update(int(item["index"])))
         jax.block_until_ready((state, train_metrics))
@@ -263,7 +263,7 @@ class RemoteDriver:
         return state, merge_metrics(rollout_metrics, train_metrics, metrics), preview
 
     def _queue_depth(self) -> int:
-        """Batches put but not yet taken, over all sampler hosts (read from the store)."""
+        """Batches put but not yet taken, over all sampler hosts (the transport's item keys)."""
         depth = 0
         for s, process in enumerate(self.roles.samplers):
             n = self._taken_per_channel[s]
@@ -411,7 +411,6 @@ def run_sampler(cfg: TrainConfig, *, log=print) -> int:
     devices (no policy is allocated: the first weights come from the trainer) and produces until
     the trainer stops. Returns how many batches it put."""
     roles = Roles.from_mesh(cfg.mesh)
-    check(cfg)
     trainer_layout, sampler_layout = build_layouts(cfg.mesh)
     k_init, _, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
     tokenizer = setup.build_tokenizer(cfg.model)
