@@ -230,7 +230,8 @@ class RLSection:
     update (`rljax.train.batching`).
 
     `mode` picks how sampling and training overlap (`rljax.train.overlap`; the overlapped modes
-    need `mesh.sampler_devices` > 0, a sampler on its own devices):
+    need `mesh.sampler_devices` > 0, a sampler on its own devices, or for `async` across
+    processes `mesh.sampler_processes` > 0, `rljax.train.remote`):
     - `sync`: sample, then update, every iteration (one program, or two with mesh.sampler=tensor).
     - `one_step_off`: batch k+1 is sampled with the params before update k while update k runs
       (verl's one-step off-policy pipeline); deterministic, and resumed exactly.

@@ -24,6 +24,8 @@ the environment stepped from inside the decode loop), still one program, and the
 accuracy is that of greedy episodes.
 In a multi-process run (`rljax.sharding.initialize`) every process runs this same loop on its
 rows of each global batch; process 0 writes metrics, and checkpoints are written collectively.
+With `mesh.sampler_processes` (async across processes) the last processes are sampler hosts
+instead (`rljax.train.remote`): they only produce rollouts, and process 0 trains on its own devices.
 
 Everything random is derived from `cfg.seed` by `fold_in(key, iteration)`, so a resumed run
 replays exactly the iterations an uninterrupted run would.
