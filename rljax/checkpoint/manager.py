@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
 from rljax.checkpoint.tree_check import check_fits, check_model_config, model_config_from_dict
@@ -108,7 +109,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, best_metric: str | None = None,
-                 best_mode: str = "max", async_save: bool = True, read_only: bool = False):
+                 best_mode: str = "max", async_save: bool = True, read_only: bool = False,
+                 processes: set[int] | None = None):
         if keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last} must be >= 1")
         if best_mode not in ("max", "min"):
@@ -126,9 +128,14 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=checkpoint_managers.AnyPreservationPolicy(policies),
             best_fn=best_fn, best_mode=best_mode, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=not read_only, create=not read_only, read_only=read_only)
+            cleanup_tmp_directories=not read_only, create=not read_only and not processes, read_only=read_only,
+            # `processes`: the subset that saves (a multi-process async run's trainer hosts); None: all
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=min(processes) if processes else 0, active_processes=processes))
         handlers = {name: ocp.StandardCheckpointHandler() for name in _TREES}
         handlers.update({name: ocp.JsonCheckpointHandler() for name in (*_JSONS, "meta")})
+        if processes and not read_only:  # orbax creates the root only when every process takes part
+            epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # -- saving ---------------------------------------------------------------------------

@@ -230,7 +230,8 @@ class RLSection:
     update (`rljax.train.batching`).
 
     `mode` picks how sampling and training overlap (`rljax.train.overlap`; the overlapped modes
-    need `mesh.sampler_devices` > 0, a sampler on its own devices):
+    need `mesh.sampler_devices` > 0, a sampler on its own devices, or for `async` across
+    processes `mesh.sampler_processes` > 0, `rljax.train.remote`):
     - `sync`: sample, then update, every iteration (one program, or two with mesh.sampler=tensor).
     - `one_step_off`: batch k+1 is sampled with the params before update k while update k runs
       (verl's one-step off-policy pipeline); deterministic, and resumed exactly.
@@ -316,6 +317,11 @@ class MeshSection:
     `sampler_devices` > 0 gives the sampler devices of its own (ReaLHF, Mei et al., 2024): the last
     that many devices (a float in (0, 1): that fraction of them) form the sampler's mesh (data=-1 x
     tensor=`sampler_tensor`), the rest the trainer's, so `rl.mode` can overlap the two.
+
+    `sampler_processes` = k > 0 (a multi-process `rl.mode = "async"` run) makes the last k
+    processes sampler hosts and the others trainer hosts (`rljax.train.remote`): each side's mesh
+    is its own process's devices, weights and rollouts move over `rljax.sharding.transport`, and a
+    peer silent for `transport_timeout_s` seconds stops the run.
     """
 
     data: int = 1
@@ -325,8 +331,16 @@ class MeshSection:
     sampler: Literal["shared", "tensor"] = "shared"
     sampler_tensor: int = 0
     sampler_devices: int | float = 0
+    sampler_processes: int = 0
+    transport_timeout_s: float = 120.0
 
     def __post_init__(self):
+        if self.sampler_processes < 0 or self.transport_timeout_s <= 0:
+            raise ConfigError(f"mesh.sampler_processes={self.sampler_processes} must be >= 0 and "
+                              f"mesh.transport_timeout_s={self.transport_timeout_s} > 0")
+        if self.sampler_processes and self.sampler_devices:
+            raise ConfigError("mesh.sampler_processes gives the sampler whole processes; drop mesh.sampler_devices "
+                              "(set it to 0)")
         if not (self.sampler_devices == 0 or (isinstance(self.sampler_devices, int) and self.sampler_devices > 0)
                 or 0 < self.sampler_devices < 1):
             raise ConfigError(f"mesh.sampler_devices={self.sampler_devices} must be a device count >= 1, a fraction "
@@ -480,9 +494,18 @@ class TrainConfig:
         if self.rl.partial_rollouts and self.sampling.scheduler != "static":
             raise ConfigError(f"rl.partial_rollouts decodes with the static scheduler; set sampling.scheduler="
                               f"'static' or rl.partial_rollouts=false (got {self.sampling.scheduler!r})")
+        if self.mesh.sampler_processes and mode != "async":
+            raise ConfigError(f"mesh.sampler_processes={self.mesh.sampler_processes} runs the sampler hosts "
+                              f"asynchronously; set rl.mode=async (got {mode}) or mesh.sampler_processes=0")
+        if self.mesh.sampler_processes and self.data.prompt_buckets:
+            raise ConfigError("mesh.sampler_processes moves rollouts of one prompt length between hosts; drop "
+                              "data.prompt_buckets or set mesh.sampler_processes=0")
+        if self.rl.partial_rollouts and self.mesh.sampler_processes:
+            raise ConfigError("rl.partial_rollouts runs in the single-process async driver only for now; set "
+                              "mesh.sampler_processes=0 or rl.partial_rollouts=false")
         if mode == "sync":
             return
-        if not self.mesh.sampler_devices:
+        if not (self.mesh.sampler_devices or self.mesh.sampler_processes):
             raise ConfigError(f"rl.mode={mode} overlaps sampling and training on separate devices; set "
                               "mesh.sampler_devices (e.g. 1) or rl.mode=sync")
         if self.env.enabled or self.host_batching:

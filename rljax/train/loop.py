@@ -24,6 +24,8 @@ the environment stepped from inside the decode loop), still one program, and the
 accuracy is that of greedy episodes.
 In a multi-process run (`rljax.sharding.initialize`) every process runs this same loop on its
 rows of each global batch; process 0 writes metrics, and checkpoints are written collectively.
+With `mesh.sampler_processes` (async across processes) the last processes are sampler hosts
+instead (`rljax.train.remote`): they only produce rollouts, and process 0 trains on its own devices.
 
 Everything random is derived from `cfg.seed` by `fold_in(key, iteration)`, so a resumed run
 replays exactly the iterations an uninterrupted run would.
@@ -51,7 +53,7 @@ from rljax.envs import get_format
 from rljax.sampling import SampleControls, multiturn
 from rljax.sharding import Layout, abstract_like, global_batch, process_rows
 from rljax.storage import check_writable
-from rljax.train import episodes, overlap, setup
+from rljax.train import episodes, overlap, remote, setup
 from rljax.train.config import TrainConfig
 from rljax.train.batching import HostBatcher, HostDataState, Rounds
 from rljax.train.iteration import make_iteration, make_split_iteration, make_stages
@@ -109,6 +111,9 @@ def sample_controls(cfg: TrainConfig, tokenizer) -> SampleControls:
 
 def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     """Runs `cfg` to completion (or resumes it from its latest checkpoint) and returns the result."""
+    if remote.is_sampler_process(cfg):  # a sampler host of a multi-process async run: it only produces
+        remote.run_sampler(cfg, log=log)
+        return RunResult(epath.Path(cfg.output_dir), None, [], float("nan"), float("nan"), None)
     run = build_run(cfg, resume=resume, log=log)
     state, start, history, data_iter = initial_state(run, resume=resume)
     iteration, callback = compile_iteration(run, state, data_iter)
@@ -156,7 +161,8 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run, or set "
                               f"output_dir=... for a new one")
     k_init, k_warm, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
-    trainer_layout, sampler_layout = setup.build_layouts(cfg.mesh)
+    trainer_layout, sampler_layout = (remote.build_layouts(cfg.mesh) if cfg.mesh.sampler_processes
+                                      else setup.build_layouts(cfg.mesh))
     tokenizer = setup.build_tokenizer(cfg.model)
     model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
     lora, adapters = setup.build_lora(cfg.lora, model_cfg)
@@ -184,7 +190,8 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
         reward_fn = setup.build_reward(cfg.reward)
         data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=num_prompts, seed=cfg.data.seed,
                               max_prompt_len=cfg.data.max_prompt_tokens, fmt=fmt,
-                              buckets=cfg.data.prompt_buckets or None, add_bos=cfg.data.add_bos)
+                              buckets=cfg.data.prompt_buckets or None, add_bos=cfg.data.add_bos,
+                              **remote.data_processes(cfg))
         num_too_long = data.num_too_long
         held_out = held_out[:cfg.eval.size]
     controls = sample_controls(cfg, tokenizer)
@@ -199,7 +206,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     writer = MetricsWriter(out, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
-                        best_metric=cfg.checkpoint.best_metric)
+                        best_metric=cfg.checkpoint.best_metric, processes=remote.checkpoint_processes(cfg))
     env = setup.build_env(cfg.env) if cfg.env.enabled else None
     return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env,
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
@@ -370,7 +377,9 @@ def overlap_driver(run: Run, state: TrainState, data_iter):
     callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
     programs = _overlap_programs(run, state, callback)
     prompts = lambda: _prompt_arrays(run, next(data_iter))  # noqa: E731
-    if cfg.rl.mode == "one_step_off":
+    if cfg.mesh.sampler_processes:  # the producers are other processes (`rljax.train.remote`)
+        driver = remote.RemoteDriver(programs, run.keys["loop"], cfg, state, num_prompts=run.num_prompts)
+    elif cfg.rl.mode == "one_step_off":
         driver = overlap.OneStepOff(programs, prompts, run.keys["loop"])
     else:
         driver = overlap.AsyncDriver(programs, prompts, run.keys["loop"], max_staleness=cfg.rl.max_staleness,
@@ -453,9 +462,11 @@ def save(run: Run, state: TrainState, step: int, data_iter, accuracy: float | No
             data_state, extra["overlap"] = data_iter.get_state(), driver.checkpoint_extra()
     else:
         data_state = data_iter.get_state()
-    run.ckpt.save(step, params=state.params, opt_state=state.opt_state, extra=extra, rng=run.keys["loop"],
-                  data_state=data_state, config=run.cfg.to_dict(), model_config=run.model_cfg,
-                  metrics=best, adapters=state.adapters, lora=state.lora)
+    trees = {"params": state.params, "opt_state": state.opt_state, "extra": extra, "adapters": state.adapters}
+    if run.cfg.mesh.sampler_processes:  # orbax refuses process-local arrays in a multi-process run
+        trees = remote.host_copy(trees)
+    run.ckpt.save(step, **trees, rng=run.keys["loop"], data_state=data_state, config=run.cfg.to_dict(),
+                  model_config=run.model_cfg, metrics=best, lora=state.lora)
 
 
 def finish(run: Run, state: TrainState, history: list[dict[str, Any]], accuracy: float | None) -> RunResult:
