@@ -104,10 +104,11 @@ def tasks_part(args) -> None:
     out.update(_header())
     for task in args.tasks:
         row = out["runs"].setdefault(task, {})
-        if not args.collect_only:
+        if not args.collect_only and not args.control_only:
             row["rl"] = run(f"{task}_rl", f"learn_{task}", [f"seed={args.seed}", *args.override], args.nice)
             row["rl"].update(curve(f"{task}_rl"))
             _save("task_learning.json", out)
+        if not args.collect_only and not args.skip_control:
             budget = row["rl"]["wall_s"] - args.control_overhead_s
             row["control_sft"] = run(f"{task}_control", f"learn_{task}",
                                      [f"seed={args.seed}", *args.override, "rl.iterations=0",
@@ -202,6 +203,8 @@ def main() -> None:
                     help="the control's setup and evaluation time, taken off its warm-start budget")
     ap.add_argument("--nice", type=int, default=5)
     ap.add_argument("--collect-only", action="store_true", help="only summarise existing runs")
+    ap.add_argument("--skip-control", action="store_true", help="tasks: the RL runs only")
+    ap.add_argument("--control-only", action="store_true", help="tasks: the controls only (after the RL runs)")
     args = ap.parse_args()
     os.makedirs(RUNS, exist_ok=True)
     (tasks_part if args.part == "tasks" else mixture_part)(args)
