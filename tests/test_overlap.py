@@ -215,7 +215,11 @@ def _async_steps(programs, params, trainer, steps: int, **kw):
     update = kw.pop("update", None)
     progs = dataclasses.replace(programs, update=update) if update is not None else programs
     driver = overlap.AsyncDriver(progs, prompt_source(), LOOP_KEY, rows=ROWS, **kw)
-    state = _state(params, trainer)
+    return driver, drive(driver, _state(params, trainer), steps)
+
+
+def drive(driver, state, steps: int) -> list[dict]:
+    """`steps` driver steps as the loop runs them (the driver closed in a finally); their metrics."""
     history = []
     try:
         for it in range(steps):
@@ -223,7 +227,7 @@ def _async_steps(programs, params, trainer, steps: int, **kw):
             history.append(jax.device_get(metrics))
     finally:
         driver.close()
-    return driver, history
+    return history
 
 
 def test_async_staleness_is_bounded_and_stale_rows_are_dropped_and_counted(programs, params, layouts):

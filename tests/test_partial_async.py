@@ -29,6 +29,7 @@ from rljax.train.config import MeshSection, load_config
 from rljax.train.iteration import make_stages
 from rljax.train.rollout_queue import row_versions
 from rljax.update import init_train_state
+from test_overlap import drive
 
 CFG = preset("qwen2-test")
 P, T = 4, 6
@@ -106,13 +107,7 @@ def run(programs) -> _Run:
     counter = itertools.count()
     driver = _SwapMidRow(recording, lambda: prompts_at(next(counter)), LOOP_KEY, rows=ROWS, max_staleness=1,
                          queue_batches=1, segment_steps=1)
-    history = []
-    try:
-        for it in range(STEPS):
-            state, metrics, _ = driver.step(state, it)
-            history.append(jax.device_get(metrics))
-    finally:
-        driver.close()
+    history = drive(driver, state, STEPS)
     return _Run(driver, history, [jax.device_get(b) for b in batches], published)
 
 
