@@ -378,3 +378,30 @@ def test_async_resume_restarts_an_empty_queue(tmp_path, monkeypatch):
     rl = [r for r in rows if "async/restarted_queue" in r]
     assert [r["async/restarted_queue"] for r in rl] == [0, 0, 1, 0]
     assert len(first.history) == 3 and len(resumed.history) == 5
+
+
+@pytest.mark.parametrize("mode, off_policy", [("one_step_off", "tis"), ("async", "decoupled")])
+def test_off_policy_corrections_work_in_the_overlapped_modes(layouts, params, mode, off_policy):
+    """TIS (one_step_off) and AReaL's decoupled weight (async) run in the overlapped modes, fed the
+    sampler's recorded log-probs: from the second step on the trained batch was sampled one
+    version back, so the trainer's proximal log-probs differ from the behaviour ones and the mean
+    importance weight moves off 1. (MIS shares TIS's log-weights, `_log_weights`; one case each
+    keeps the compile count down.)
+    Catches: an overlapped mode whose batch reaches the update with the trainer's own log-probs
+    in place of the sampler's (every weight exactly 1), or a correction that breaks in it (NaN)."""
+    trainer, sampler = layouts
+    algo = AlgorithmConfig(recompute_old_logp=True, off_policy=off_policy)
+    state = init_train_state(CFG, jax.tree.map(jnp.copy, params), algo, OPTIM, layout=trainer)
+    state = jax.device_put(state, trainer.tree(state))
+    progs = overlap.OverlapPrograms.from_stages(make_stages(CONTROLS, reward_callback, state, num_prompts=P,
+                                                            trainer=trainer, sampler=sampler))
+    if mode == "one_step_off":
+        driver = overlap.OneStepOff(progs, prompt_source(), LOOP_KEY)
+    else:
+        driver = overlap.AsyncDriver(progs, prompt_source(), LOOP_KEY, rows=ROWS, max_staleness=1, queue_batches=2)
+    history = drive(driver, state, 3)
+    later = history[1:]
+    assert all(np.isfinite(m["loss/policy"]) for m in history)
+    assert all(m["async/staleness_mean"] >= 1 for m in later)
+    weights = np.array([float(m["train/is_weight_mean"]) for m in later])
+    assert np.all(np.abs(weights - 1.0) > 1e-6), weights
