@@ -79,6 +79,7 @@ def three_steps(tmp_path_factory):
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     assert "sampler process 1: " in logs[1]
+    assert "sampler host done" in logs[1] and "held-out greedy accuracy: " in logs[0]  # only the trainer reports it
     return out, seconds
 
 

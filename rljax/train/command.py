@@ -42,6 +42,9 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     _check_memory(cfg)
     result = train(cfg, resume=args.resume)
+    if result.state is None:  # a sampler host of a multi-process async run: the trainer host reports
+        print(f"sampler host done; the trainer host writes {result.output_dir / 'metrics.jsonl'}")
+        return 0
     print(f"held-out greedy accuracy: {result.start_accuracy:.3f} -> {result.final_accuracy:.3f}")
     print(f"checkpoints: {result.output_dir / 'checkpoints'}")
     print(f"metrics:     {result.output_dir / 'metrics.jsonl'} (TensorBoard: {result.output_dir / 'tensorboard'})")
