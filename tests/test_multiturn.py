@@ -229,7 +229,10 @@ def test_failing_tools_are_observations_inside_the_rollout(model):
         e = jax.device_get(run(params, jax.random.key(1)))
     results = host.inner.last.results
     assert [results[r][0].info.get("flag") for r in (4, 5, 6)] == ["timeout", "error", None]
-    assert e.tool_errors_b[4:7].tolist() == [1, 1, 1] and np.all(e.turns_b[4:7] >= 2)
+    # the hanging and the dying rows error once; the raising row errors at least once: under heavy load
+    # (CI at load 6) its later call can also time out while the pool restarts the worker the dying
+    # row killed, a second error observation, which is still the behaviour under test
+    assert e.tool_errors_b[4:6].tolist() == [1, 1] and e.tool_errors_b[6] >= 1 and np.all(e.turns_b[4:7] >= 2)
     assert _text(e, 4).startswith("<tool>hang</tool><result>error")
     assert _text(e, 6) == _joined(6) and e.rewards_b[6] == 1.0
 
