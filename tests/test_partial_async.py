@@ -19,38 +19,17 @@ import numpy as np
 import pytest
 
 from rljax.errors import ConfigError
-from rljax.models import init_params, preset, token_logprobs
-from rljax.objectives import AlgorithmConfig
-from rljax.optim import OptimConfig
-from rljax.rewards.base import Rewards
-from rljax.sampling import SampleControls
+from rljax.models import init_params, token_logprobs
 from rljax.train import overlap, setup
 from rljax.train.config import MeshSection, load_config
 from rljax.train.iteration import make_stages
 from rljax.train.rollout_queue import row_versions
 from rljax.update import init_train_state
-from test_overlap import drive
+from test_overlap import (ALGO, CFG, CONTROLS, LOOP_KEY, OPTIM, ROWS, P, T, drive, prompts_at,
+                          reward_callback)
 
-CFG = preset("qwen2-test")
-P, T = 4, 6
-CONTROLS = SampleControls(max_new_tokens=4, num_samples=2, temperature=1.0, eos_ids=(3,), pad_id=0)
-ROWS = P * CONTROLS.num_samples
-ALGO, OPTIM = AlgorithmConfig(), OptimConfig(learning_rate=1e-2, warmup_steps=0)
-LOOP_KEY = jax.random.key(3)
+# the model, controls, reward and prompt stream of tests/test_overlap.py
 STEPS = 3
-
-
-def reward_callback(tokens_bt, mask_bt, index_b):
-    """Reward 1 when the first completion token is a multiple of 3: differs within groups."""
-    del index_b
-    total = ((tokens_bt[:, 0] % 3) == 0).astype(jnp.float32) * mask_bt[:, 0]
-    return Rewards(total, {"r": total}, jnp.zeros(total.shape, bool))
-
-
-def prompts_at(j: int):
-    rng = np.random.default_rng(100 + j)
-    tokens = rng.integers(4, CFG.vocab_size, (P, T)).astype(np.int32)
-    return tokens, np.ones((P, T), bool), np.arange(P, dtype=np.int32)
 
 
 class _SwapMidRow(overlap.AsyncDriver):
