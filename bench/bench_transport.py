@@ -51,7 +51,6 @@ def peer(process: int, repeats: int, dtypes: list[str]) -> None:
 
     initialize(DistributedConfig.from_env())
     transport = Transport.start(timeout_s=600)
-    rows = []
     for name, n in MODELS.items():
         for dt in dtypes:
             dtype = getattr(jnp, dt)
