@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import jax
@@ -102,6 +103,26 @@ def stop_reason(accuracies: Sequence[float], *, target: float, patience: int, mi
     return None
 
 
+def constant_answer_baseline(examples: Sequence[Example]) -> tuple[str, float]:
+    """The best accuracy a policy that ignores the question can reach: the most common reference
+    answer `a*` and the fraction of `examples` it solves, max_a |{e : e.answer = a}| / |examples|.
+
+    A warm-start target is only evidence of skill above this: answering `1` solves about 6/pi^2
+    of gcd's pairs, so an absolute 30% target stops that task's warm start on a constant policy,
+    from which every group's rewards say the same thing and RL has nothing to learn."""
+    if not examples:
+        return "", 0.0
+    answer, count = Counter(e.answer.strip() for e in examples).most_common(1)[0]
+    return answer, count / len(examples)
+
+
+def relative_target(target: float, baseline: float) -> float:
+    """The accuracy that stands for `target` above the constant-answer baseline b:
+    b + target * (1 - b), i.e. a normalised gain (acc - b) / (1 - b) >= target (Hake, 1998).
+    Equals `target` when no answer repeats (b = 0); 0 stays 0 (no target)."""
+    return baseline + target * (1.0 - baseline) if target > 0 else 0.0
+
+
 def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt, key: jax.Array, *,
                    validation=None, log=print):
     """Up to `cfg.warm_start.steps` SFT steps on (prompt, reference answer + EOS) pairs; returns params.
@@ -109,6 +130,8 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
     With `target_accuracy` > 0 the warm start stops as soon as greedy accuracy on `validation` (an
     `EvalSetup` over *training* problems, never the held-out split) reaches it, checked every
     `check_every` steps, so RL starts from a policy that solves some problems but not most;
+    the target counts skill above the validation set's constant-answer baseline
+    (`relative_target`), so a policy that answers the most common answer to everything never meets it;
     with `patience` > 0 it also stops when that accuracy plateaus (`stop_reason`). The reason it
     stopped (target, plateau, time budget, step budget) is logged.
     Batches are drawn with a seed derived from `key`, so the warm start is deterministic.
@@ -129,6 +152,12 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
     nll = float("nan")
     start = time.perf_counter()
     accuracies: list[float] = []
+    target = ws.target_accuracy
+    if target and validation is not None:
+        answer, baseline = constant_answer_baseline(validation.examples)
+        target = relative_target(ws.target_accuracy, baseline)
+        log(f"warm start target {target:.3f}: {ws.target_accuracy:g} of the way from the constant answer "
+            f"{answer!r} (solves {baseline:.3f} of the validation problems) to 1")
     reason = f"step budget ({ws.steps} steps)"
     for i in range(ws.steps):
         if ws.max_seconds and time.perf_counter() - start > ws.max_seconds:
@@ -139,12 +168,12 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
                                                     [pairs.completion_ids[j] for j in idx], tokenizer.pad_id,
                                                     pairs.prompt_len, pairs.completion_len)
         params, opt_state, nll = step(params, opt_state, tokens, attn, loss)
-        if (ws.target_accuracy or ws.patience) and validation is not None and (i + 1) % ws.check_every == 0:
+        if (target or ws.patience) and validation is not None and (i + 1) % ws.check_every == 0:
             accuracies.append(greedy_accuracy(validation, params))
             log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}, validation accuracy {accuracies[-1]:.3f}")
-            why = stop_reason(accuracies, target=ws.target_accuracy, patience=ws.patience, min_delta=ws.min_delta)
+            why = stop_reason(accuracies, target=target, patience=ws.patience, min_delta=ws.min_delta)
             if why is not None:
-                reason = (f"target accuracy {ws.target_accuracy:g} reached" if why == "target" else
+                reason = (f"target accuracy {target:.3f} reached" if why == "target" else
                           f"validation accuracy plateaued at {max(accuracies):.3f} ({ws.patience} checks without "
                           f"+{ws.min_delta:g})") + f" at step {i + 1}"
                 break
