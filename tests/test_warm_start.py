@@ -10,7 +10,7 @@ from rljax.train.warm_start import constant_answer_baseline, relative_target, st
 
 
 def test_constant_answer_baseline_matches_reference_on_gcd_pairs():
-    """On gcd of random pairs the best constant answer is "1", solving the fraction of coprime
+    """On gcd of uniform random pairs the best constant answer is "1", solving the fraction of coprime
     pairs (about 6/pi^2); the function equals a NumPy count of the most common answer.
     Catches: counting distinct answers instead of the most common one, or ignoring surrounding
     whitespace so " 1" and "1" count as different answers."""

@@ -107,9 +107,9 @@ def constant_answer_baseline(examples: Sequence[Example]) -> tuple[str, float]:
     """The best accuracy a policy that ignores the question can reach: the most common reference
     answer `a*` and the fraction of `examples` it solves, max_a |{e : e.answer = a}| / |examples|.
 
-    A warm-start target is only evidence of skill above this: answering `1` solves about 6/pi^2
-    of gcd's pairs, so an absolute 30% target stops that task's warm start on a constant policy,
-    from which every group's rewards say the same thing and RL has nothing to learn."""
+    A warm-start target is only evidence of skill above this: answering `2` solves about 30% of
+    reasoning-gym's gcd pairs, so an absolute 30% target can stop a warm start on a constant
+    policy, whose groups' rewards carry no signal about the question."""
     if not examples:
         return "", 0.0
     answer, count = Counter(e.answer.strip() for e in examples).most_common(1)[0]
