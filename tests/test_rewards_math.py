@@ -86,3 +86,35 @@ def test_math_answer_verifier_reports_extraction():
     """MathAnswer scores against metadata['answer'] and reports what it extracted and how."""
     score, info = MathAnswer()({"answer": "0.5"}, r"so \boxed{\frac12}")
     assert score == 1.0 and info == {"extracted": r"\frac12", "method": "boxed"}
+
+
+def test_plain_number_fast_path_gives_math_verifys_verdict():
+    """`plain_numbers_equal` (no math-verify) must agree with math-verify on every pair of plain
+    numbers it answers, and defer (None) on the ones where math-verify rounds or reads notation.
+    Fails if it compared strings ("0.30" vs "0.3", "007" vs "7"), ignored the sign, or answered the
+    7-decimal and exponent pairs where math-verify's rounding differs from exact equality."""
+    import numpy as np
+
+    from rljax.rewards.math import plain_numbers_equal
+
+    rng = np.random.default_rng(0)
+    pairs = [("0.3", "0.30"), ("007", "7"), ("-0", "0"), ("2", "-2"), ("10", "1"), ("3.50", "3.5"),
+             ("-4", "-41"), ("12.25", "12.250000"), ("0.1", "0.01"), ("999999999999999", "999999999999999")]
+    for _ in range(300):  # near misses: the same value re-written, and off by one in the last place
+        decimals = int(rng.integers(0, 7))
+        value = round(float(rng.normal(0, 10 ** rng.integers(0, 5))), decimals)
+        text = f"{value:.{decimals}f}"
+        pairs += [(text, text + "0" * int(rng.integers(0, 7 - decimals)) if decimals else text),
+                  (text, f"{value + 10 ** -decimals:.{decimals}f}")]
+    answered = 0
+    for gold, pred in pairs:
+        fast = plain_numbers_equal(gold, pred)
+        if fast is not None:
+            answered += 1
+            assert fast == verify(parse(f"${gold}$"), parse(f"${pred}$")), (gold, pred)
+            assert math_verify(f"x\n{pred}", gold) == float(fast), (gold, pred)
+    assert answered >= len(pairs) - 5  # the fast path is actually taken
+    for gold, pred in [("3", "3.0000001"), ("0.1234567", "0.1234568"), ("1e3", "1000"), ("1.5", "3/2"),
+                       (".5", "0.5"), ("1234567890123456", "1234567890123456")]:
+        assert plain_numbers_equal(gold, pred) is None, (gold, pred)
+        assert math_verify(f"x\n{pred}", gold) == float(verify(parse(f"${gold}$"), parse(f"${pred}$")))

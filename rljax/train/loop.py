@@ -291,7 +291,10 @@ def evaluate(run: Run, state: TrainState) -> dict[str, float]:
 
 def calibrate(run: Run, state: TrainState) -> None:
     """`auto_curriculum`'s start: greedy pass rate per source on a few of its training prompts
-    (never the held-out split), after the warm start; other policies skip it."""
+    (never the held-out split), after the warm start; other policies skip it. They are the front
+    of each source's pool, which `warm_start_split` keeps out of the warm start's SFT set (the
+    interleaved validation set holds each source's first `validation_size // sources`), so the
+    pass rates are not inflated by memorisation."""
     if not hasattr(run.sampler.policy, "calibrate"):
         return
     per_source = max(8, run.cfg.warm_start.validation_size // len(run.sampler.sources))
@@ -311,19 +314,35 @@ def warm_start(run: Run):
     if not cfg.warm_start.steps:
         return run.params
     params = run.params
-    if cfg.warm_start.target_accuracy or cfg.warm_start.patience:  # its validation runs the host-driven evaluator
+    validates = bool(cfg.warm_start.target_accuracy or cfg.warm_start.patience)
+    if validates:  # its validation runs the host-driven evaluator
         params = _eval_params(params, run)
-    validation = EvalSetup.build(run.model_cfg, run.train_set[:cfg.warm_start.validation_size], run.tokenizer,
-                                 run.fmt, run.reward_fn, run.controls, max_prompt_len=cfg.data.max_prompt_tokens,
-                                 add_bos=cfg.data.add_bos)
+    sft_set, validation_set = warm_start_split(run.train_set, cfg.warm_start.validation_size if validates else 0)
+    validation = EvalSetup.build(run.model_cfg, validation_set or run.train_set[:cfg.warm_start.validation_size],
+                                 run.tokenizer, run.fmt, run.reward_fn, run.controls,
+                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
     if run.env is not None:  # scripted tool-use episodes; validated by greedy episodes
         options = episodes.EpisodeOptions.from_section(cfg.env)
         controls = episode_controls(run)
         accuracy = lambda p: episodes.episode_accuracy(validation, p, run.env, options, controls)  # noqa: E731
-        return run_tool_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.env,
+        return run_tool_warm_start(cfg, run.model_cfg, params, run.tokenizer, sft_set, run.fmt, run.env,
                                    run.keys["warm"], accuracy=accuracy, log=run.log)
-    return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, run.train_set, run.fmt, run.keys["warm"],
+    return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, sft_set, run.fmt, run.keys["warm"],
                           validation=validation, log=run.log)
+
+
+def warm_start_split(train_set, validation_size: int):
+    """(SFT problems, validation problems): the first `validation_size` training problems are
+    held out of the warm start's SFT set and validate it; () when it does not validate.
+
+    Why: validated on problems it trains on, a small pool read as skill what was memorisation
+    (issue 24: 46% on basic_arithmetic's 2,000-problem pool, repeated ~20 times, against 19.5% on
+    held-out problems), so the target stopped the warm start early and `auto_curriculum`
+    calibrated on inflated pass rates. A pool too small to spare them (fewer than twice
+    `validation_size` problems) trains on all of them and validates on its front, as before."""
+    if not validation_size or len(train_set) < 2 * validation_size:
+        return train_set, ()
+    return train_set[validation_size:], train_set[:validation_size]
 
 
 def compile_iteration(run: Run, state: TrainState, data_iter=None):
