@@ -128,20 +128,30 @@ def one_digit_sources():
 
 def test_fresh_questions_never_repeat_or_leak_held_out(one_digit_sources):
     """Every fresh question is new: not held out, not in the warm-start pool, never drawn twice,
-    until the generator runs out, which is a DataError rather than a silent repeat.
-    Catches: a fixed pool in disguise, no dedupe against the held-out split, or an endless loop."""
+    until the generator runs out; then the stream warns once and repeats, pool questions
+    included, never a held-out one, and a resumed stream continues in that mode. A generator of
+    only held-out questions is a DataError. Catches: a fixed pool in disguise, no dedupe against
+    the held-out split, a held-out question leaking in after exhaustion, a run killed by
+    exhaustion, or an endless loop."""
     src = one_digit_sources[0]
     held = {question_key(e) for e in src.held_out}
     pool = {question_key(e) for e in src.train}
-    stream = FreshStream(src.generate, held | pool, src.name, max_skips=2000)
-    drawn = []
-    with pytest.raises(DataError, match="repeated or held-out questions"):
-        while True:
-            drawn.append(question_key(stream.next()))
-    assert len(drawn) == len(set(drawn)) == 200 - len(held | pool) and not set(drawn) & (held | pool)
-    restored = FreshStream(src.generate, held | pool, src.name)
+    stream = FreshStream(src.generate, held | pool, src.name, max_skips=2000, held_out=held)
+    fresh_count = 200 - len(held | pool)
+    drawn = [question_key(stream.next()) for _ in range(fresh_count)]
+    assert len(drawn) == len(set(drawn)) and not set(drawn) & (held | pool) and not stream.repeating
+    with pytest.warns(UserWarning, match="ran out of new questions"):
+        drawn.append(question_key(stream.next()))
+    assert stream.repeating
+    drawn += [question_key(stream.next()) for _ in range(300)]
+    assert not set(drawn) & held and set(drawn[fresh_count:]) & pool  # repeats may be pool questions
+    restored = FreshStream(src.generate, held | pool, src.name, held_out=held)
     restored.load_state(json.loads(json.dumps(stream.state_dict())))
-    assert restored.next_index == stream.next_index and restored.seen == stream.seen
+    assert restored.next_index == stream.next_index and restored.seen == stream.seen and restored.repeating
+    assert [question_key(restored.next()) for _ in range(5)] == [question_key(stream.next()) for _ in range(5)]
+    everything = held | pool | set(drawn)
+    with pytest.warns(UserWarning), pytest.raises(DataError, match="held-out questions in a row"):
+        FreshStream(src.generate, everything, src.name, max_skips=500, held_out=everything).next()
 
 
 def test_band_redraws_are_bounded_and_keep_matches_the_filter():

@@ -47,13 +47,16 @@ def test_warm_start_validates_on_problems_it_never_trains_on(tmp_path, monkeypat
     and validates on exactly those; auto_curriculum calibrates on the same per-source fronts. A
     pool too small to spare them trains on all of it. Catches: validating on the SFT set (a
     2,000-problem pool read 46% on its own problems against 19.5% held out, issue 24), an
-    off-by-`validation_size` split, or a split that drops problems from both sides."""
+    off-by-`validation_size` split, a split that drops problems from both sides, or one that
+    keeps a later copy of a validation question in the SFT set."""
     from rljax.train import loop
     from rljax.train.config import load_config
     from rljax.train.loop import warm_start_split
 
-    pool = tuple(range(1000))
-    assert warm_start_split(pool, 200) == (pool[200:], pool[:200])
+    pool = tuple(Example(id=str(i), question=f"{i % 700} + 1 =", answer=str(i % 700 + 1)) for i in range(1000))
+    sft, validation = warm_start_split(pool, 200)
+    assert validation == pool[:200]
+    assert sft == tuple(e for e in pool[200:] if not 700 <= int(e.id) < 900)  # copies of 0..199 dropped too
     assert warm_start_split(pool[:300], 200) == (pool[:300], ())  # too small to spare 200
     assert warm_start_split(pool, 0) == (pool, ())
 
@@ -69,8 +72,13 @@ def test_warm_start_validates_on_problems_it_never_trains_on(tmp_path, monkeypat
     run = loop.build_run(cfg, resume=False, log=lambda *_: None)
     loop.warm_start(run)
     validation_ids = {e.id for e in seen["validation"].examples}
-    assert [e.id for e in seen["sft"]] == [e.id for e in run.train_set[100:]]
+    from rljax.data.example import question_key
+
+    validation_questions = {question_key(e) for e in run.train_set[:100]}
     assert validation_ids == {e.id for e in run.train_set[:100]}
-    assert not validation_ids & {e.id for e in seen["sft"]}
+    assert [e.id for e in seen["sft"]] == [e.id for e in run.train_set[100:]
+                                           if question_key(e) not in validation_questions]
+    assert len(seen["sft"]) < len(run.train_set) - 100  # gcd's pools repeat a few validation questions
+    assert not validation_questions & {question_key(e) for e in seen["sft"]}
     fronts = {e.id for src in run.sampler.sources for e in src.train[:100 // len(run.sampler.sources)]}
     assert fronts == validation_ids  # what `calibrate` measures is what the warm start never saw

@@ -15,7 +15,8 @@ another task's order, and a resumed run draws exactly what an uninterrupted one 
   the whole state is the count drawn.
 - fresh questions (`FreshStream`): draw k is the generator's item k (reasoning-gym items are
   pure functions of ``(seed, index)``), skipped when its question is held out, in the pool or
-  already drawn, so RL never sees a question twice and never sees a held-out one. Measured on
+  already drawn, so RL never sees a question twice and never sees a held-out one (until the
+  generator runs out: then it warns once and repeats, never a held-out question). Measured on
   arithmetic tasks, a fixed pool with repeats let the policy memorise training questions
   (training reward up, held-out accuracy flat); fresh questions make the training reward
   itself a held-out-like signal.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -94,34 +96,51 @@ def _digest(key: str) -> str:
 
 class FreshStream:
     """New questions from ``generate(k)`` for k = 0, 1, 2, ...; a question whose key is in
-    `banned` (held out, or in the pool) or already drawn is skipped. `max_skips` consecutive
-    skips mean the generator has run out of new questions at this difficulty: a `DataError`."""
+    `banned` (held out, or in the pool) or already drawn is skipped.
 
-    def __init__(self, generate: Callable[[int], Example], banned: set[str], name: str, max_skips: int = 10_000):
+    `max_skips` consecutive skips mean the generator has run out of new questions at this
+    difficulty (1-2 digit products have ~10k): the stream then says so once (a warning naming the
+    source) and goes on with repeats, still never a `held_out` question (default: `banned`), so a
+    long run on a small question space slows its learning rather than dying mid-run.
+    `repeating` is part of the state. `max_skips` held-out questions in a row is a `DataError`."""
+
+    def __init__(self, generate: Callable[[int], Example], banned: set[str], name: str, max_skips: int = 10_000,
+                 held_out: set[str] | None = None):
         self.generate, self.banned, self.name, self.max_skips = generate, banned, name, max_skips
+        self.held_out = banned if held_out is None else held_out
         self.next_index = 0
         self.seen: set[str] = set()
         self.skipped = 0
+        self.repeating = False
 
     def next(self) -> Example:
-        for _ in range(self.max_skips):
-            example = self.generate(self.next_index)
-            self.next_index += 1
-            key = question_key(example)
-            digest = _digest(key)
-            if key in self.banned or digest in self.seen:
-                self.skipped += 1
-                continue
-            self.seen.add(digest)
-            return example
-        raise DataError(f"source {self.name!r} produced {self.max_skips} repeated or held-out questions in a row; "
-                        "raise its difficulty, or set fresh = false to reuse a pool")
+        for _ in range(2 * self.max_skips):
+            for _ in range(self.max_skips):
+                example = self.generate(self.next_index)
+                self.next_index += 1
+                key = question_key(example)
+                digest = _digest(key)
+                if key in self.held_out or (not self.repeating and (key in self.banned or digest in self.seen)):
+                    self.skipped += 1
+                    continue
+                self.seen.add(digest)
+                return example
+            if self.repeating:
+                break
+            self.repeating = True
+            warnings.warn(f"source {self.name!r} ran out of new questions after {len(self.seen)} "
+                          f"({self.max_skips} repeated or held-out in a row); it repeats questions from now on "
+                          "(never held-out ones): raise its difficulty for fresh ones", stacklevel=2)
+        raise DataError(f"source {self.name!r} produced {self.max_skips} held-out questions in a row; "
+                        "its generator cannot make training questions: raise its difficulty or its eval split")
 
     def state_dict(self) -> dict:
-        return {"next_index": self.next_index, "seen": sorted(self.seen), "skipped": self.skipped}
+        return {"next_index": self.next_index, "seen": sorted(self.seen), "skipped": self.skipped,
+                "repeating": self.repeating}
 
     def load_state(self, state: dict) -> None:
         self.next_index, self.seen, self.skipped = int(state["next_index"]), set(state["seen"]), int(state["skipped"])
+        self.repeating = bool(state.get("repeating", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +184,9 @@ class MixtureSampler:
             if src.generate is None:
                 self.streams.append(PoolStream(len(self._pool_rows[j]), seed, j))
             else:
-                banned = {question_key(e) for e in (*src.held_out, *src.train)}
-                self.streams.append(FreshStream(src.generate, banned, src.name))
+                held_out = {question_key(e) for e in src.held_out}
+                banned = held_out | {question_key(e) for e in src.train}
+                self.streams.append(FreshStream(src.generate, banned, src.name, held_out=held_out))
         self.state = policy.init(len(self.sources), seed)
         self.samples_total = np.zeros(len(self.sources), np.int64)
 
