@@ -82,3 +82,37 @@ def test_warm_start_validates_on_problems_it_never_trains_on(tmp_path, monkeypat
     assert not validation_questions & {question_key(e) for e in seen["sft"]}
     fronts = {e.id for src in run.sampler.sources for e in src.train[:100 // len(run.sampler.sources)]}
     assert fronts == validation_ids  # what `calibrate` measures is what the warm start never saw
+
+
+@pytest.mark.parametrize("accs,nlls,want", [
+    ([0.04, 0.06, 0.05, 0.04, 0.05, 0.06], [1.30, 1.20, 1.10, 1.00, 0.95, 0.90], None),  # accuracy noise, still learning
+    ([0.04, 0.06, 0.05, 0.04, 0.05, 0.06], [1.00, 0.90, 0.899, 0.90, 0.91, 0.95], "plateau"),  # both stalled
+    ([0.10, 0.12, 0.15, 0.20, 0.25, 0.30], [0.90, 0.90, 0.90, 0.90, 0.90, 0.90], None),  # accuracy still rising
+    ([0.04, 0.06, 0.05, 0.04, 0.05, 0.06], None, "plateau"),  # no NLL: the accuracy rule alone
+])
+def test_plateau_needs_accuracy_and_validation_nll_to_stall(accs, nlls, want):
+    """With patience 3 the plateau rule fires only when neither the best accuracy rose by 0.01 nor
+    the best validation NLL fell by 1% (relative) in the last 3 checks. Catches: the old
+    accuracy-only rule, which stopped decimal_chain_sum at step 550 at 6% accuracy while its NLL
+    was still falling (row 1), an absolute instead of relative NLL delta (row 2's 0.001 drop
+    would count), or an NLL rule that overrides rising accuracy (row 3)."""
+    assert stop_reason(accs, target=0.9, patience=3, min_delta=0.01, nlls=nlls, nll_rel_delta=0.01) == want
+
+
+def test_validation_nll_is_the_sft_loss_without_the_update():
+    """make_nll_eval on a batch equals the loss make_sft_step reports for the same batch and params.
+    Catches: a different mask (prompt tokens counted) or a sum instead of a mean."""
+    import jax
+    import optax
+
+    from rljax.models import ModelConfig, init_params
+    from rljax.train.warm_start import make_nll_eval, make_sft_step, pack_prompt_completion
+
+    cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, max_positions=16)
+    params = init_params(cfg, jax.random.key(0))
+    batch = pack_prompt_completion([[1, 2, 3], [4, 5]], [[6, 7, 0], [8, 0]], 15, 3, 3)
+    want = make_nll_eval(cfg)(params, *batch)
+    _, _, got = make_sft_step(cfg, optax.sgd(0.0))(jax.tree.map(lambda x: x.copy(), params), optax.sgd(0.0).init(params),
+                                                   *batch)
+    assert float(got) == pytest.approx(float(want), rel=1e-6) and 1.0 < float(want) < 10.0

@@ -182,9 +182,11 @@ class WarmStartSection:
     `target_accuracy` > 0 stops it early once greedy accuracy on `validation_size` training
     problems (not the held-out split) reaches the target, checked every `check_every` steps.
     `max_seconds` > 0 stops it after that wall time (used by the supervised-only control run).
-    `patience` > 0 stops it once that validation accuracy has not risen by `min_delta` in
-    `patience` checks: a task that cannot reach the target within the budget stops on the plateau
-    (`rljax.train.warm_start.stop_reason`).
+    `patience` > 0 stops it once, in `patience` checks, that validation accuracy has not risen by
+    `min_delta` and the validation NLL has not fallen by `nll_rel_delta` (relative): a task that
+    cannot reach the target within the budget stops on the plateau, and one still learning below
+    1-digit accuracies does not (`rljax.train.warm_start.stop_reason`). Validation problems are
+    held out of the warm start's SFT set (`rljax.train.loop.warm_start_split`).
     """
 
     steps: int = 0
@@ -197,6 +199,7 @@ class WarmStartSection:
     max_seconds: float = 0.0  # > 0: also stop after this wall time (for equal-time SFT controls)
     patience: int = 0
     min_delta: float = 0.01
+    nll_rel_delta: float = 0.01
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,25 +82,46 @@ def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def stop_reason(accuracies: Sequence[float], *, target: float, patience: int, min_delta: float) -> str | None:
+def stop_reason(accuracies: Sequence[float], *, target: float, patience: int, min_delta: float,
+                nlls: Sequence[float] | None = None, nll_rel_delta: float = 0.01) -> str | None:
     """Why the warm start stops after these validation checks, or None to go on.
 
         "target": the last accuracy >= target (target > 0)
-        "plateau": the best accuracy has not risen by min_delta in the last `patience` checks
-                   (patience > 0), i.e. max(acc[-patience:]) < max(acc[:-patience]) + min_delta
+        "plateau": neither validation signal improved in the last `patience` checks (patience > 0):
+                   max(acc[-patience:]) < max(acc[:-patience]) + min_delta, and (given `nlls`,
+                   the validation NLL at the same checks)
+                   min(nll[-patience:]) > min(nll[:-patience]) * (1 - nll_rel_delta)
 
     The plateau rule makes the warm start robust to a target the task cannot reach within the
     budget: without it such a task spends every step overfitting the warm-start pool (and the
-    budget RL would have had). A first check counts as an improvement over nothing.
+    budget RL would have had). Greedy accuracy alone is a poor witness early on: at 0-6% it moves
+    by noise while the model is still learning (issue 24: decimal_chain_sum stopped at step 550
+    at 6% while its validation NLL was still falling), so the rule also asks the validation NLL,
+    a smooth signal, to have stopped falling by `nll_rel_delta` (relative). A first check counts
+    as an improvement over nothing.
     """
     if not accuracies:
         return None
     if target and accuracies[-1] >= target:
         return "target"
     if patience and len(accuracies) > patience:
-        if max(accuracies[-patience:]) < max(accuracies[:-patience]) + min_delta:
+        accuracy_stalled = max(accuracies[-patience:]) < max(accuracies[:-patience]) + min_delta
+        nll_stalled = nlls is None or min(nlls[-patience:]) > min(nlls[:-patience]) * (1.0 - nll_rel_delta)
+        if accuracy_stalled and nll_stalled:
             return "plateau"
     return None
+
+
+def make_nll_eval(cfg: ModelConfig):
+    """A jitted (params, tokens, attn mask, loss mask) -> mean completion NLL, the SFT loss without
+    the gradient: the warm start's validation NLL."""
+
+    def nll(params, tokens_bt, attn_bt, loss_bt):
+        logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt)
+        w = loss_bt.astype(jnp.float32)
+        return -jnp.sum(logp_bt * w) / jnp.maximum(w.sum(), 1.0)
+
+    return jax.jit(nll)
 
 
 def constant_answer_baseline(examples: Sequence[Example]) -> tuple[str, float]:
@@ -158,6 +179,15 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
         target = relative_target(ws.target_accuracy, baseline)
         log(f"warm start target {target:.3f}: {ws.target_accuracy:g} of the way from the constant answer "
             f"{answer!r} (solves {baseline:.3f} of the validation problems) to 1")
+    nlls: list[float] = []
+    validation_nll = None
+    if (target or ws.patience) and validation is not None and validation.examples:
+        held = sft_pairs(validation.examples, tokenizer, fmt, max_prompt_len=cfg.data.max_prompt_tokens,
+                         add_bos=cfg.data.add_bos, max_completion_len=cfg.sampling.max_new_tokens)
+        held_batch = pack_prompt_completion(held.prompt_ids, held.completion_ids, tokenizer.pad_id,
+                                            held.prompt_len, held.completion_len)
+        nll_eval = make_nll_eval(model_cfg)
+        validation_nll = lambda p: float(nll_eval(p, *held_batch))  # noqa: E731
     reason = f"step budget ({ws.steps} steps)"
     for i in range(ws.steps):
         if ws.max_seconds and time.perf_counter() - start > ws.max_seconds:
@@ -170,12 +200,16 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
         params, opt_state, nll = step(params, opt_state, tokens, attn, loss)
         if (target or ws.patience) and validation is not None and (i + 1) % ws.check_every == 0:
             accuracies.append(greedy_accuracy(validation, params))
-            log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}, validation accuracy {accuracies[-1]:.3f}")
-            why = stop_reason(accuracies, target=target, patience=ws.patience, min_delta=ws.min_delta)
+            nlls.append(validation_nll(params) if validation_nll else float("nan"))
+            log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}, validation nll {nlls[-1]:.3f}, "
+                f"accuracy {accuracies[-1]:.3f}")
+            why = stop_reason(accuracies, target=target, patience=ws.patience, min_delta=ws.min_delta,
+                              nlls=nlls if validation_nll else None, nll_rel_delta=ws.nll_rel_delta)
             if why is not None:
                 reason = (f"target accuracy {target:.3f} reached" if why == "target" else
                           f"validation accuracy plateaued at {max(accuracies):.3f} ({ws.patience} checks without "
-                          f"+{ws.min_delta:g})") + f" at step {i + 1}"
+                          f"+{ws.min_delta:g}, nor the validation nll {min(nlls):.3f} -{ws.nll_rel_delta:.0%})"
+                          ) + f" at step {i + 1}"
                 break
         elif (i + 1) % max(ws.steps // 5, 1) == 0:
             log(f"warm start {i + 1}/{ws.steps}: nll {float(nll):.3f}")
