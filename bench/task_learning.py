@@ -89,8 +89,15 @@ def curve(name: str) -> dict:
 
 
 def _save(name: str, out: dict) -> None:
-    with open(os.path.join(RESULTS, name), "w") as f:
+    """Writes `out`, first taking in runs another process (a parallel `tasks --tasks X`) saved meanwhile."""
+    path = os.path.join(RESULTS, name)
+    if os.path.exists(path):
+        for key, row in json.load(open(path)).get("runs", {}).items():
+            out["runs"].setdefault(key, row)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _header() -> dict:

@@ -175,7 +175,8 @@ def test_band_redraws_are_bounded_and_keep_matches_the_filter():
 def test_curriculum_gets_levels_and_families_from_the_sources_and_calibrates():
     """`auto_curriculum` built from the sources knows each source's level and family (its task);
     calibrated on pass rates (a: 0.95 at L1, 0.5 at L2; b: 0.05, 0.0) it starts a at L2 (inside
-    the band) and b at L1 (nothing in band or above), and draws only those tasks.
+    the band) and b at L1 (nothing in band or above), and draws only those tasks, plus b's probe
+    of its next level (a has none above L2).
     Catches: levels or families not passed to the policy, or calibrate not reaching its state."""
     section = load_config(None, ["data.selection=auto_curriculum"]).data
     sources = tuple(MixtureSource(name, _examples(name, 8), (), level=level, family=name[0])
@@ -184,7 +185,8 @@ def test_curriculum_gets_levels_and_families_from_the_sources_and_calibrates():
     assert policy.levels == (1, 2, 1, 2) and policy.families == ("a", "a", "b", "b")
     sampler = MixtureSampler(sources, policy, seed=0, tokenizer=TOK, fmt=PromptFormat(), max_prompt_len=8)
     sampler.calibrate([0.95, 0.5, 0.05, 0.0])
-    assert set(sampler.draw(32).task_ids_b.tolist()) == {1, 2}
+    drawn = sampler.draw(400).task_ids_b
+    assert set(drawn.tolist()) == {1, 2, 3} and 0.01 < np.mean(drawn == 3) < 0.1  # probe 0.1 of b's half
 
 
 def _stats(pass_rates, ids):

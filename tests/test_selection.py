@@ -169,7 +169,7 @@ def test_auto_curriculum_starts_in_band_and_moves_up():
     or advancing before min_groups."""
     levels, families = (1, 2, 3, 1, 2, 3), ("a", "a", "a", "b", "b", "b")
     policy = make_policy("auto_curriculum", levels=levels, families=families, low=0.1, high=0.9,
-                         advance_at=0.6, decay=0.5, min_groups=2)
+                         advance_at=0.6, decay=0.5, min_groups=2, probe=0.0)
     state = policy.calibrate(policy.init(6, seed=0), [0.95, 0.5, 0.05, 0.95, 0.97, 0.0])
     assert policy.level_of(state) == {"a": 2, "b": 2}  # a: level 2 in band; b: none, hardest above it
     np.testing.assert_allclose(policy.probs(state), [0, .5, 0, 0, .5, 0])
@@ -184,6 +184,42 @@ def test_auto_curriculum_starts_in_band_and_moves_up():
                 ref_level, ref_rate, ref_seen = ref_level + 1, None, 0
         assert policy.level_of(state)["a"] == ref_level and state.rate["a"] == ref_rate
     assert ref_level == 3  # EMA 0.9 -> 0.65 (advances at 2 groups) -> level 3
+
+
+def test_auto_curriculum_probes_the_next_level_before_moving_up():
+    """With probe = 0.25 a family spends a quarter of its prompts on its next level and moves up
+    only once that level's EMA pass rate is >= low over >= min_groups groups, carrying the EMA
+    over; a reference loop written from the rule gives the same levels and rates after every group.
+    Catches: moving up on mastery alone (decimal_chain_sum's level 2 passed 3-5% of samples and
+    taught nothing for 350 iterations), probe groups counted as current-level groups, or the
+    probe EMA dropped on the move."""
+    levels = (1, 2, 3)
+    policy = make_policy("auto_curriculum", levels=levels, low=0.1, high=0.9, advance_at=0.6, decay=0.5,
+                         min_groups=2, probe=0.25)
+    state = policy.calibrate(policy.init(3, seed=0), [0.5, 0.02, 0.0])
+    np.testing.assert_allclose(policy.probs(state), [0.75, 0.25, 0.0])
+    ref = {"level": 0, "rate": None, "seen": 0, "next_rate": None, "next_seen": 0}
+    ema = lambda old, p: p if old is None else 0.5 * old + 0.5 * p  # noqa: E731
+    stream = [(0, 0.9), (0, 0.9), (1, 0.0), (1, 0.05), (0, 1.0), (1, 0.3), (1, 0.4), (0, 0.9), (2, 0.5), (1, 0.9)]
+    moved_at = []
+    for k, (task, p) in enumerate(stream):
+        state = policy.update(state, [task], _stats(np.zeros(1), np.array([p])))
+        if task == ref["level"] + 1 and ref["level"] + 1 < 3:
+            ref["next_rate"], ref["next_seen"] = ema(ref["next_rate"], p), ref["next_seen"] + 1
+        elif task == ref["level"]:
+            ref["rate"], ref["seen"] = ema(ref["rate"], p), ref["seen"] + 1
+            if (ref["seen"] >= 2 and ref["rate"] > 0.6 and ref["level"] + 1 < 3 and ref["next_seen"] >= 2
+                    and ref["next_rate"] >= 0.1):
+                ref = {"level": ref["level"] + 1, "rate": ref["next_rate"], "seen": ref["next_seen"],
+                       "next_rate": None, "next_seen": 0}
+                moved_at.append(k)
+        assert policy.level_of(state)["all"] == levels[ref["level"]]
+        assert (state.rate["all"], state.seen["all"], state.next_rate["all"], state.next_seen["all"]) == \
+            (ref["rate"], ref["seen"], ref["next_rate"], ref["next_seen"])
+    # level 1 was mastered at group 1 but level 2 read 0.025 (< low): no move until it read 0.16 (group 5),
+    # then at the next level-1 group (7); the move carries 0.28, and group 9 makes it 0.5 * 0.28 + 0.45
+    assert moved_at == [7] and state.rate["all"] == pytest.approx(0.590625)
+    np.testing.assert_allclose(policy.probs(state), [0.0, 0.75, 0.25])
 
 
 POLICY_CASES = [
