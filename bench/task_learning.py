@@ -88,12 +88,16 @@ def curve(name: str) -> dict:
     return {"evals": points, "log": notes}
 
 
+MINE: set[str] = set()  # the runs this process makes; the results file's other rows are taken from disk
+
+
 def _save(name: str, out: dict) -> None:
     """Writes `out`, first taking in runs another process (a parallel `tasks --tasks X`) saved meanwhile."""
     path = os.path.join(RESULTS, name)
     if os.path.exists(path):
         for key, row in json.load(open(path)).get("runs", {}).items():
-            out["runs"].setdefault(key, row)
+            if key not in MINE:
+                out["runs"][key] = row
     tmp = f"{path}.{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
@@ -109,6 +113,7 @@ def tasks_part(args) -> None:
     dest = os.path.join(RESULTS, "task_learning.json")
     out = json.load(open(dest)) if os.path.exists(dest) else {"runs": {}}
     out.update(_header())
+    MINE.update(args.tasks)
     for task in args.tasks:
         row = out["runs"].setdefault(task, {})
         if not args.collect_only and not args.control_only:
@@ -157,6 +162,7 @@ def mixture_part(args) -> None:
     for seed in args.seeds:  # seed-major, so a partial sweep still compares the policies on equal seeds
         for policy in args.policies:
             name = f"mixture_{policy}_seed{seed}"
+            MINE.add(name)
             if not args.collect_only:
                 opts = [f"data.selection={policy}"] + ([] if policy == "bandit" else ["data.selection_options={}"])
                 out["runs"][name] = run(name, "mixture_arith", [f"seed={seed}", *opts, *MIXTURE_OVERRIDES, *args.override],
