@@ -128,11 +128,12 @@ def one_digit_sources():
 
 def test_fresh_questions_never_repeat_or_leak_held_out(one_digit_sources):
     """Every fresh question is new: not held out, not in the warm-start pool, never drawn twice,
-    until the generator runs out; then the stream warns once and repeats, pool questions
-    included, never a held-out one, and a resumed stream continues in that mode. A generator of
-    only held-out questions is a DataError. Catches: a fixed pool in disguise, no dedupe against
-    the held-out split, a held-out question leaking in after exhaustion, a run killed by
-    exhaustion, or an endless loop."""
+    until the generator runs out; then the stream warns once and repeats the questions it drew
+    (not pool ones, which the warm start memorised), and a resumed stream continues in that mode.
+    A space with nothing outside pool and held-out falls back to pool questions, never held-out
+    ones; only held-out questions is a DataError. Catches: a fixed pool in disguise, no dedupe
+    against the held-out split, pool or held-out questions leaking in after exhaustion, a run
+    killed by exhaustion, or an endless loop."""
     src = one_digit_sources[0]
     held = {question_key(e) for e in src.held_out}
     pool = {question_key(e) for e in src.train}
@@ -142,14 +143,18 @@ def test_fresh_questions_never_repeat_or_leak_held_out(one_digit_sources):
     assert len(drawn) == len(set(drawn)) and not set(drawn) & (held | pool) and not stream.repeating
     with pytest.warns(UserWarning, match="ran out of new questions"):
         drawn.append(question_key(stream.next()))
-    assert stream.repeating
+    assert stream.repeating == 1
     drawn += [question_key(stream.next()) for _ in range(300)]
-    assert not set(drawn) & held and set(drawn[fresh_count:]) & pool  # repeats may be pool questions
+    assert set(drawn) == set(drawn[:fresh_count])  # only its own questions come back
     restored = FreshStream(src.generate, held | pool, src.name, held_out=held)
     restored.load_state(json.loads(json.dumps(stream.state_dict())))
-    assert restored.next_index == stream.next_index and restored.seen == stream.seen and restored.repeating
+    assert restored.next_index == stream.next_index and restored.seen == stream.seen and restored.repeating == 1
     assert [question_key(restored.next()) for _ in range(5)] == [question_key(stream.next()) for _ in range(5)]
     everything = held | pool | set(drawn)
+    pool_only = FreshStream(src.generate, everything, src.name, max_skips=500, held_out=held)
+    with pytest.warns(UserWarning):
+        repeats = {question_key(pool_only.next()) for _ in range(50)}
+    assert pool_only.repeating == 2 and repeats and not repeats & held
     with pytest.warns(UserWarning), pytest.raises(DataError, match="held-out questions in a row"):
         FreshStream(src.generate, everything, src.name, max_skips=500, held_out=everything).next()
 
