@@ -67,8 +67,11 @@ def test_warm_start_validates_on_problems_it_never_trains_on(tmp_path, monkeypat
         return params
 
     monkeypatch.setattr(loop, "run_warm_start", capture)
-    cfg = load_config("learn_gcd", [f"output_dir='{tmp_path}'", "warm_start.validation_size=100",
-                                    "warm_start.steps=5"])
+    from rljax.train.config import recipe_path
+
+    small = tmp_path / "learn_gcd_small.toml"  # the packaged recipe with 600-problem pools
+    small.write_text(recipe_path("learn_gcd").read_text().replace("size = 20000", "size = 600"))
+    cfg = load_config(small, [f"output_dir='{tmp_path}'", "warm_start.validation_size=100", "warm_start.steps=5"])
     run = loop.build_run(cfg, resume=False, log=lambda *_: None)
     loop.warm_start(run)
     validation_ids = {e.id for e in seen["validation"].examples}
