@@ -35,11 +35,11 @@ ROOT = os.path.dirname(HERE)
 RUNS = os.path.join(ROOT, "runs", "task_learning")
 RESULTS = os.path.join(HERE, "results")
 TASKS = ("basic_arithmetic", "decimal_chain_sum", "gcd", "simple_equations")
-# The mixture comparison sized to ~5 minutes a run on 2 shared cores: 120 iterations of 32 prompts
-# x 8 samples (30,720 samples), a warm start capped by steps (not seconds, so it is deterministic
+# The mixture comparison sized to ~5 minutes a run on 2 cores: 120 iterations of 64 prompts
+# x 8 samples (61,440 samples), a warm start capped by steps (not seconds, so it is deterministic
 # per seed and the policies of a seed start from the same params), a greedy eval of 50 held-out
 # problems per source every 20 iterations.
-MIXTURE_OVERRIDES = ("rl.iterations=120", "rl.prompts_per_iteration=32", "warm_start.steps=600", "eval.every=20",
+MIXTURE_OVERRIDES = ("rl.iterations=120", "rl.prompts_per_iteration=64", "warm_start.steps=600", "eval.every=20",
                      "eval.size=50", "eval.num_samples=1", "eval.pass_k=[1]", "eval.seeds=1", "checkpoint.every=1000")
 
 
