@@ -224,6 +224,7 @@ class FakeSampler:
         logp = np.where(loss, -(r * 100 + np.arange(rows)[:, None] + 1.0), 0.0).astype(np.float32)
         batch = RolloutBatch(tokens_bt=tokens, attn_mask_bt=attn, loss_mask_bt=loss, sampler_logp_bt=logp,
                              rewards_b=np.asarray(self.rewards[r], np.float32).reshape(-1),
+                             baseline_rewards_b=(r * 100 + np.arange(rows)).astype(np.float32),  # ReMax's, per row
                              group_ids_b=np.repeat(np.arange(p), N), completion_len=C)
         return batch, {"rollout/reward_mean": float(np.mean(self.rewards[r])), "rollout/tokens": rows * C}, None
 
@@ -306,14 +307,17 @@ def test_replayed_rows_reach_the_update_with_their_behaviour_logprobs():
 
 
 def test_gather_groups_takes_rows_in_group_order():
-    """gather_groups picks rows g*n..g*n+n-1 of the concatenated rounds and renumbers groups.
-    Catches: an off-by-one in the row arithmetic or group ids that keep round positions."""
+    """gather_groups picks rows g*n..g*n+n-1 of the concatenated rounds and renumbers groups; the
+    greedy-baseline rewards (ReMax, the learn_*.toml recipe's objective) travel with their rows.
+    Catches: an off-by-one in the row arithmetic, group ids that keep round positions, or the
+    baseline dropped or left in round order."""
     fake = FakeSampler([[[0, 1], [1, 1]], [[1, 0], [0, 0]]])
     tokens = np.ones((2, WIDTH), np.int32)
     b0, _, _ = fake(None, tokens, tokens.astype(bool), None, None)
     b1, _, _ = fake(None, tokens, tokens.astype(bool), None, None)
     out = gather_groups([b0, b1], [2, 0], [True, False], N)
     np.testing.assert_array_equal(out.rewards_b, [1, 0, 0, 1])
+    np.testing.assert_array_equal(out.baseline_rewards_b, [100, 101, 0, 1])  # ReMax's greedy rewards follow their rows
     np.testing.assert_array_equal(out.group_ids_b, [0, 0, 1, 1])
     np.testing.assert_array_equal(out.loss_mask_bt.any(1), [True, True, False, False])
 
