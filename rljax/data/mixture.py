@@ -17,10 +17,9 @@ another task's order, and a resumed run draws exactly what an uninterrupted one 
   pure functions of ``(seed, index)``), skipped when its question is held out, in the pool or
   already drawn, so RL never sees a question twice and never sees a held-out one (until the
   generator runs out: then it warns once and repeats its own questions, never a held-out one).
-  Measured on
-  arithmetic tasks, a fixed pool with repeats let the policy memorise training questions
-  (training reward up, held-out accuracy flat); fresh questions make the training reward
-  itself a held-out-like signal.
+  Measured on arithmetic tasks, a fixed pool with repeats let the policy memorise training
+  questions (training reward up, held-out accuracy flat); fresh questions make the training
+  reward itself a held-out-like signal.
 
 The policy's `keep` (the `band` filter) is applied per drawn prompt; a rejected prompt is
 replaced by the next one from the same source, at most `max_redraws` times (then it is kept),

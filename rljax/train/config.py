@@ -186,7 +186,7 @@ class WarmStartSection:
     `min_delta` and the validation NLL has not fallen by `nll_rel_delta` (relative): a task that
     cannot reach the target within the budget stops on the plateau, and one still learning below
     1-digit accuracies does not (`rljax.train.warm_start.stop_reason`). Validation problems are
-    held out of the warm start's SFT set (`rljax.train.loop.warm_start_split`).
+    held out of the warm start's SFT set (`rljax.data.splits.warm_start_split`).
     """
 
     steps: int = 0

@@ -42,7 +42,8 @@ import numpy as np
 from etils import epath
 
 from rljax.checkpoint import Checkpointer
-from rljax.data.example import question_key, verifier_metadata
+from rljax.data.example import verifier_metadata
+from rljax.data.splits import warm_start_split
 from rljax.data.mixture import MixtureSampler
 from rljax.data.pipeline import PromptData, prompt_batches, shard_rows
 from rljax.data.replay import ReplayBuffer
@@ -329,24 +330,6 @@ def warm_start(run: Run):
                                    run.keys["warm"], accuracy=accuracy, log=run.log)
     return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, sft_set, run.fmt, run.keys["warm"],
                           validation=validation, log=run.log)
-
-
-def warm_start_split(train_set, validation_size: int):
-    """(SFT problems, validation problems): the first `validation_size` training problems are
-    held out of the warm start's SFT set and validate it; () when it does not validate.
-
-    Why: validated on problems it trains on, a small pool read as skill what was memorisation
-    (issue 24: 46% on basic_arithmetic's 2,000-problem pool, repeated ~20 times, against 19.5% on
-    held-out problems), so the target stopped the warm start early and `auto_curriculum`
-    calibrated on inflated pass rates. A pool too small to spare them (fewer than twice
-    `validation_size` problems) trains on all of them and validates on its front, as before.
-    Copies of a validation question later in the pool (a small question space: products of two
-    1-2 digit numbers has ~10k) are dropped from the SFT set too."""
-    if not validation_size or len(train_set) < 2 * validation_size:
-        return train_set, ()
-    validation = train_set[:validation_size]
-    held = {question_key(e) for e in validation}  # a pool can repeat a question: its copies go too
-    return tuple(e for e in train_set[validation_size:] if question_key(e) not in held), validation
 
 
 def compile_iteration(run: Run, state: TrainState, data_iter=None):

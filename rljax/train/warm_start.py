@@ -10,6 +10,7 @@ dropped as in RL, and P is at most that limit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -66,16 +67,18 @@ def pack_prompt_completion(prompt_ids: Sequence[Sequence[int]], completion_ids: 
     return tokens, attn, loss
 
 
+def completion_nll(cfg: ModelConfig, params, tokens_bt, attn_bt, loss_bt):
+    """Mean NLL of the loss-masked (completion) tokens: the SFT loss."""
+    logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt)  # chunked from the shapes: bounded memory
+    w = loss_bt.astype(jnp.float32)
+    return -jnp.sum(logp_bt * w) / jnp.maximum(w.sum(), 1.0)
+
+
 def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
     """A jitted SFT step: (params, opt_state, tokens, attn_mask, loss_mask) -> (params, opt_state, nll)."""
 
-    def loss_fn(params, tokens_bt, attn_bt, loss_bt):
-        logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt)  # chunked from the shapes: bounded memory
-        w = loss_bt.astype(jnp.float32)
-        return -jnp.sum(logp_bt * w) / jnp.maximum(w.sum(), 1.0)
-
     def step(params, opt_state, tokens_bt, attn_bt, loss_bt):
-        nll, grads = jax.value_and_grad(loss_fn)(params, tokens_bt, attn_bt, loss_bt)
+        nll, grads = jax.value_and_grad(functools.partial(completion_nll, cfg))(params, tokens_bt, attn_bt, loss_bt)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, nll
 
@@ -113,15 +116,9 @@ def stop_reason(accuracies: Sequence[float], *, target: float, patience: int, mi
 
 
 def make_nll_eval(cfg: ModelConfig):
-    """A jitted (params, tokens, attn mask, loss mask) -> mean completion NLL, the SFT loss without
+    """A jitted (params, tokens, attn mask, loss mask) -> `completion_nll`, the SFT loss without
     the gradient: the warm start's validation NLL."""
-
-    def nll(params, tokens_bt, attn_bt, loss_bt):
-        logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt)
-        w = loss_bt.astype(jnp.float32)
-        return -jnp.sum(logp_bt * w) / jnp.maximum(w.sum(), 1.0)
-
-    return jax.jit(nll)
+    return jax.jit(functools.partial(completion_nll, cfg))
 
 
 def constant_answer_baseline(examples: Sequence[Example]) -> tuple[str, float]:
