@@ -159,6 +159,26 @@ def test_fresh_questions_never_repeat_or_leak_held_out(one_digit_sources):
         FreshStream(src.generate, everything, src.name, max_skips=500, held_out=everything).next()
 
 
+def test_iid_fresh_stream_is_the_generator_minus_held_out(one_digit_sources):
+    """`fresh_draws = "iid"` (distinct=False): draw k is the k-th generator item that is not held
+    out, pool questions and repeats included, so the training distribution is the held-out one's.
+    Reference: the generator's items filtered by the held-out keys alone. Catches: pool questions
+    or earlier draws still skipped (the 1-digit space has 80 questions outside pool and held out,
+    and 400 draws must repeat), or a held-out question leaking in."""
+    src = one_digit_sources[0]
+    held = {question_key(e) for e in src.held_out}
+    pool = {question_key(e) for e in src.train}
+    stream = FreshStream(src.generate, held | pool, src.name, held_out=held, distinct=False)
+    drawn = [question_key(stream.next()) for _ in range(400)]
+    reference = [k for k in (question_key(src.generate(i)) for i in range(stream.next_index)) if k not in held]
+    assert drawn == reference and set(drawn) & pool and len(set(drawn)) < len(drawn)
+    assert not stream.repeating and not set(drawn) & held
+    section = load_config(None, ["data.sources=[{task='chain_sum', size=60, eval_size=60, fresh=true, "
+                                 "fresh_draws='iid', task_kwargs={min_terms=2, max_terms=2, min_digits=1, "
+                                 "max_digits=1}}]"]).data
+    assert not setup.build_sources(section)[0].fresh_distinct and src.fresh_distinct
+
+
 def test_band_redraws_are_bounded_and_keep_matches_the_filter():
     """A band policy rejecting every seen prompt replaces each at most max_redraws times, then keeps
     it; the batch keeps its size and the counted rejections equal B * max_redraws. With half the

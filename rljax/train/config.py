@@ -68,7 +68,10 @@ class SourceSection:
     `fresh = true` (reasoning-gym only) draws never-seen questions from the generator instead of
     a fixed pool: with a pool of repeats a small policy memorises training questions (training
     reward rises while held-out accuracy stays flat, issue 24); fresh questions cannot be
-    memorised. The pool of `size` problems is still made, for the warm start.
+    memorised. The pool of `size` problems is still made, for the warm start. `fresh_draws`:
+    `distinct` (never a pool question, never one twice) or `iid` (the generator's own
+    distribution, the held-out split's, skipping only held-out questions); see
+    `rljax.data.mixture.FreshStream`.
     """
 
     kind: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
@@ -83,6 +86,7 @@ class SourceSection:
     size: int = 2000
     eval_size: int = 100
     fresh: bool = False
+    fresh_draws: Literal["distinct", "iid"] = "distinct"
     prompt_template: str | None = None
 
     def __post_init__(self):

@@ -191,7 +191,8 @@ def build_sources(section: DataSection) -> tuple[MixtureSource, ...]:
             generate = lambda k, raw=raw, tag=tag: tag(raw(k))  # noqa: E731
         out.append(MixtureSource(name=src.label, train=tuple(map(tag, train)), held_out=tuple(map(tag, held)),
                                  level=src.level, weight=src.weight,
-                                 family=src.task if src.kind == "reasoning_gym" else src.label, generate=generate))
+                                 family=src.task if src.kind == "reasoning_gym" else src.label, generate=generate,
+                                 fresh_distinct=src.fresh_draws == "distinct"))
     return tuple(out)
 
 
