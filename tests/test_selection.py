@@ -222,6 +222,26 @@ def test_auto_curriculum_probes_the_next_level_before_moving_up():
     np.testing.assert_allclose(policy.probs(state), [0.0, 0.75, 0.25])
 
 
+def test_auto_curriculum_steps_its_ema_once_per_call_on_the_mean():
+    """One update call (an RL iteration) moves the EMA once, by the mean pass rate of the call's
+    groups at each level: 60 groups at 0.0 then 4 at 1.0 read 0.0625, not mastery. Reference: the
+    EMA written from the rule, call by call. Catches: stepping the EMA per group, which with decay
+    0.5 reads 0.94 after the 4 easy groups and moves the family up at a 6% pass rate."""
+    policy = make_policy("auto_curriculum", levels=(1, 2), low=0.1, high=0.9, advance_at=0.7, decay=0.5,
+                         min_groups=16, probe=0.0)
+    state = policy.calibrate(policy.init(2, seed=0), [0.3, 0.0])
+    calls = [np.r_[np.zeros(60), np.ones(4)], np.r_[np.full(32, 0.5), np.ones(32)], np.full(64, 0.9), np.full(64, 0.9)]
+    ref_rate, moves = None, []
+    for k, pass_g in enumerate(calls):
+        state = policy.update(state, np.zeros(64, np.int64), _stats(np.zeros(64), pass_g))
+        ref_rate = pass_g.mean() if ref_rate is None else 0.5 * ref_rate + 0.5 * pass_g.mean()
+        if ref_rate > 0.7:
+            moves.append(k)
+            break
+        assert state.rate["all"] == pytest.approx(ref_rate) and state.seen["all"] == 64 * (k + 1)
+    assert moves == [3] and policy.level_of(state)["all"] == 2  # 0.0625 -> 0.40625 -> 0.653 -> 0.777
+
+
 POLICY_CASES = [
     ("uniform", dict(weights=(1.0, 2.0, 1.0))),
     ("band", dict(low=0.1, high=0.9)),

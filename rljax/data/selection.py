@@ -383,8 +383,12 @@ class AutoCurriculum(SelectionPolicy):
     level): the lowest level with ``low <= p <= high``; if none, the hardest level above the band
     (it still has something to learn nearby); if none, the easiest. Without calibration a family
     starts at its easiest level. `update` keeps an EMA of the pass rate at the current level
-    (first group sets it) and moves up one level once ``seen >= min_groups`` and the EMA exceeds
-    `advance_at`; groups from any other level (drawn before a move) are ignored.
+    (the first call sets it) and moves up one level once ``seen >= min_groups`` groups and the EMA
+    exceeds `advance_at`; groups from any other level (drawn before a move) are ignored. The EMA
+    takes one step per `update` call (an RL iteration), on the mean pass rate of that call's
+    groups at the level: stepped per group, with 64 groups an iteration, decay 0.9 remembered ~10
+    groups, and a run of easy prompts lifted it over `advance_at` by chance (basic_arithmetic
+    moved up at a 0.32 mean pass rate, issue 24).
 
     With `probe` > 0 a family spends that share of its prompts on its next level and keeps an
     EMA of the pass rate there too; it moves up only once the next level is learnable as well:
@@ -471,16 +475,19 @@ class AutoCurriculum(SelectionPolicy):
         current, rate, seen = dict(state.current), dict(state.rate), dict(state.seen)
         next_rate, next_seen = dict(state.next_rate), dict(state.next_seen)
         ema = lambda old, p: float(p) if old is None else self.decay * old + (1.0 - self.decay) * float(p)  # noqa: E731
-        for j, p in zip(np.asarray(task_ids_g), stats.pass_rate_g):
-            f = fam[j]
+        task_ids_g, pass_rate_g = np.asarray(task_ids_g), np.asarray(stats.pass_rate_g, np.float64)
+        for f in current:  # one EMA step per call, on the mean over the call's groups at a level
             ladder = self._ladder(f, state.num_tasks)
-            level = int(self.levels[j])
-            if current[f] + 1 < len(ladder) and level == ladder[current[f] + 1] and self.probe:
-                next_rate[f], next_seen[f] = ema(next_rate[f], p), next_seen[f] + 1
+            level_g = np.array([int(self.levels[j]) if fam[j] == f else -1 for j in task_ids_g], np.int64)
+            at_next = level_g == ladder[current[f] + 1] if self.probe and current[f] + 1 < len(ladder) \
+                else np.zeros(len(level_g), bool)
+            at_current = level_g == ladder[current[f]]
+            if at_next.any():
+                next_rate[f] = ema(next_rate[f], pass_rate_g[at_next].mean())
+                next_seen[f] += int(at_next.sum())
+            if not at_current.any():
                 continue
-            if level != ladder[current[f]]:
-                continue
-            rate[f], seen[f] = ema(rate[f], p), seen[f] + 1
+            rate[f], seen[f] = ema(rate[f], pass_rate_g[at_current].mean()), seen[f] + int(at_current.sum())
             next_ok = not self.probe or (next_seen[f] >= self.min_groups and next_rate[f] >= self.low)
             if seen[f] >= self.min_groups and rate[f] > self.advance_at and current[f] + 1 < len(ladder) and next_ok:
                 current[f], rate[f], seen[f] = current[f] + 1, next_rate[f] if self.probe else None, next_seen[f]
