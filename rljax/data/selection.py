@@ -476,12 +476,13 @@ class AutoCurriculum(SelectionPolicy):
         next_rate, next_seen = dict(state.next_rate), dict(state.next_seen)
         ema = lambda old, p: float(p) if old is None else self.decay * old + (1.0 - self.decay) * float(p)  # noqa: E731
         task_ids_g, pass_rate_g = np.asarray(task_ids_g), np.asarray(stats.pass_rate_g, np.float64)
+        level_g = np.array([int(self.levels[j]) for j in task_ids_g], np.int64)
         for f in current:  # one EMA step per call, on the mean over the call's groups at a level
             ladder = self._ladder(f, state.num_tasks)
-            level_g = np.array([int(self.levels[j]) if fam[j] == f else -1 for j in task_ids_g], np.int64)
-            at_next = level_g == ladder[current[f] + 1] if self.probe and current[f] + 1 < len(ladder) \
+            in_family_g = np.array([fam[j] == f for j in task_ids_g], bool)
+            at_current = in_family_g & (level_g == ladder[current[f]])
+            at_next = in_family_g & (level_g == ladder[current[f] + 1]) if self.probe and current[f] + 1 < len(ladder) \
                 else np.zeros(len(level_g), bool)
-            at_current = level_g == ladder[current[f]]
             if at_next.any():
                 next_rate[f] = ema(next_rate[f], pass_rate_g[at_next].mean())
                 next_seen[f] += int(at_next.sum())
