@@ -5,7 +5,8 @@ SFT-only control of the same time, and selection policies against `uniform` on a
     .venv/bin/python bench/task_learning.py mixture [--policies uniform bandit] [--seeds 0 1 2]
     .venv/bin/python bench/task_learning.py tasks --collect-only     # re-summarise existing runs
 
-`tasks` runs `rljax train --config learn_TASK` (seed 0), then the control: the same config with
+`tasks` runs `rljax train --config learn_TASK` (`--seed`, default 0; rows and run directories of
+another seed are suffixed `_seed{N}`), then the control: the same config with
 `rl.iterations=0` and a warm start that only stops at the RL run's wall time (no target, no
 plateau), so the control spends on supervised steps what the RL run spent on its warm start plus
 RL. Held-out accuracy is `eval/accuracy` (greedy, both levels' held-out splits). Writes
@@ -113,20 +114,23 @@ def tasks_part(args) -> None:
     dest = os.path.join(RESULTS, "task_learning.json")
     out = json.load(open(dest)) if os.path.exists(dest) else {"runs": {}}
     out.update(_header())
-    MINE.update(args.tasks)
+    suffix = "" if args.seed == 0 else f"_seed{args.seed}"  # seed 0 keeps the names of earlier rounds
+    MINE.update(f"{task}{suffix}" for task in args.tasks)
     for task in args.tasks:
-        row = out["runs"].setdefault(task, {})
+        row = out["runs"].setdefault(f"{task}{suffix}", {})
+        row["seed"] = args.seed
+        rl_name, control_name = f"{task}_rl{suffix}", f"{task}_control{suffix}"
         if not args.collect_only and not args.control_only:
-            row["rl"] = run(f"{task}_rl", f"learn_{task}", [f"seed={args.seed}", *args.override], args.nice)
-            row["rl"].update(curve(f"{task}_rl"))
+            row["rl"] = run(rl_name, f"learn_{task}", [f"seed={args.seed}", *args.override], args.nice)
+            row["rl"].update(curve(rl_name))
             _save("task_learning.json", out)
         if not args.collect_only and not args.skip_control:
             budget = row["rl"]["wall_s"] - args.control_overhead_s
-            row["control_sft"] = run(f"{task}_control", f"learn_{task}",
+            row["control_sft"] = run(control_name, f"learn_{task}",
                                      [f"seed={args.seed}", *args.override, "rl.iterations=0",
                                       "warm_start.target_accuracy=0", "warm_start.patience=0",
                                       "warm_start.steps=1000000", f"warm_start.max_seconds={budget:.0f}"], args.nice)
-        for kind, name in (("rl", f"{task}_rl"), ("control_sft", f"{task}_control")):
+        for kind, name in (("rl", rl_name), ("control_sft", control_name)):
             if kind in row and os.path.exists(os.path.join(RUNS, name, "metrics.jsonl")):
                 row[kind].update(curve(name))
         if "rl" in row:
@@ -138,11 +142,15 @@ def tasks_part(args) -> None:
             if "rl" in row:
                 row["rl_minus_control_points"] = round(100 * (row["after_rl"] - row["control_accuracy"]), 2)
         _save("task_learning.json", out)
-    gains = sorted(r["rl_gain_points"] for r in out["runs"].values() if "rl_gain_points" in r)
-    out["median_rl_gain_points"] = (gains[len(gains) // 2] + gains[(len(gains) - 1) // 2]) / 2 if gains else None
+    median = {}
+    for seed in sorted({r.get("seed", 0) for r in out["runs"].values()}):
+        gains = sorted(r["rl_gain_points"] for r in out["runs"].values() if "rl_gain_points" in r and r.get("seed", 0) == seed)
+        median[seed] = (gains[len(gains) // 2] + gains[(len(gains) - 1) // 2]) / 2 if gains else None
+    out["median_rl_gain_points"] = median.get(0)
+    out["median_rl_gain_points_by_seed"] = {str(k): v for k, v in median.items()}
     _save("task_learning.json", out)
     print(json.dumps({t: {k: r.get(k) for k in ("before_rl", "after_rl", "rl_gain_points", "control_accuracy")}
-                      for t, r in out["runs"].items()}, indent=1), "median gain", out["median_rl_gain_points"])
+                      for t, r in out["runs"].items()}, indent=1), "median gain by seed", median)
 
 
 def _samples_to(points: list[dict], target: float) -> float | None:

@@ -111,9 +111,11 @@ class FreshStream:
 
     `distinct=False` skips only held-out questions: the stream is then the generator's own
     distribution (i.i.d. draws, repeats at their natural rate), the one the held-out split is drawn
-    from. In a small question space the distinct stream drifts from it: frequent questions (the
-    1-digit ones of basic_arithmetic) are all in the pool, so what is left is mostly the rare, hard
-    ones (measured: greedy pass rate ~0.11 on distinct draws against 0.26 held out)."""
+    from, pool questions included. In a small question space the distinct stream drifts from it:
+    frequent questions (the 1-digit ones of basic_arithmetic) are all in the pool, so what is left
+    is mostly the rare, hard ones. Measured there after the warm start, greedy pass rates: 0.09 on
+    distinct draws, 0.265 held out, 0.42 on i.i.d. draws (which include pool questions the warm
+    start trained on); RL gained +5.0 held-out points on the first, +8.25 on the second (issue 24)."""
 
     def __init__(self, generate: Callable[[int], Example], banned: set[str], name: str, max_skips: int = 10_000,
                  held_out: set[str] | None = None, distinct: bool = True):
