@@ -226,7 +226,8 @@ def test_auto_curriculum_steps_its_ema_once_per_call_on_the_mean():
     """One update call (an RL iteration) moves the EMA once, by the mean pass rate of the call's
     groups at each level: 60 groups at 0.0 then 4 at 1.0 read 0.0625, not mastery. Reference: the
     EMA written from the rule, call by call. Catches: stepping the EMA per group, which with decay
-    0.5 reads 0.94 after the 4 easy groups and moves the family up at a 6% pass rate."""
+    0.5 reads 0.94 after the 4 easy groups and moves the family up at a 6% pass rate, or one mean
+    over two families or over a level and its probe."""
     policy = make_policy("auto_curriculum", levels=(1, 2), low=0.1, high=0.9, advance_at=0.7, decay=0.5,
                          min_groups=16, probe=0.0)
     state = policy.calibrate(policy.init(2, seed=0), [0.3, 0.0])
@@ -240,6 +241,13 @@ def test_auto_curriculum_steps_its_ema_once_per_call_on_the_mean():
             break
         assert state.rate["all"] == pytest.approx(ref_rate) and state.seen["all"] == 64 * (k + 1)
     assert moves == [3] and policy.level_of(state)["all"] == 2  # 0.0625 -> 0.40625 -> 0.653 -> 0.777
+    # two families and a probe in one call: each level of each family steps on its own groups' mean
+    policy = make_policy("auto_curriculum", levels=(1, 2, 1, 2), families=("a", "a", "b", "b"), decay=0.5,
+                         min_groups=16, probe=0.25)
+    state = policy.update(policy.init(4, seed=0), np.array([0, 0, 1, 2, 2, 3]),
+                          _stats(np.zeros(6), np.array([1.0, 0.5, 0.25, 0.0, 0.5, 1.0])))
+    assert (state.rate, state.seen) == ({"a": 0.75, "b": 0.25}, {"a": 2, "b": 2})
+    assert (state.next_rate, state.next_seen) == ({"a": 0.25, "b": 1.0}, {"a": 1, "b": 1})
 
 
 POLICY_CASES = [
