@@ -119,9 +119,9 @@ class FreshStream:
 
     def __init__(self, generate: Callable[[int], Example], banned: set[str], name: str, max_skips: int = 10_000,
                  held_out: set[str] | None = None, distinct: bool = True):
-        self.generate, self.name, self.max_skips, self.distinct = generate, name, max_skips, distinct
+        self.generate, self.banned, self.name, self.max_skips = generate, banned, name, max_skips
         self.held_out = banned if held_out is None else held_out
-        self.banned = banned if distinct else self.held_out
+        self.distinct = distinct
         self.next_index = 0
         self.seen: set[str] = set()
         self.skipped = 0

@@ -43,10 +43,10 @@ from etils import epath
 
 from rljax.checkpoint import Checkpointer
 from rljax.data.example import verifier_metadata
-from rljax.data.splits import warm_start_split
 from rljax.data.mixture import MixtureSampler
 from rljax.data.pipeline import PromptData, prompt_batches, shard_rows
 from rljax.data.replay import ReplayBuffer
+from rljax.data.splits import warm_start_split
 from rljax.errors import CheckpointError, ConfigError
 from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_accuracy, greedy_solved
 from rljax.rewards import as_callback
