@@ -114,6 +114,29 @@ def test_remax_rollout_carries_the_greedy_baseline(params):
     np.testing.assert_allclose(float(metrics["rollout/baseline_reward_mean"]), want.mean(), rtol=1e-6)
 
 
+def test_remax_dynamic_sampling_keeps_groups_whose_samples_differ_from_the_greedy_reward(params):
+    """Under ReMax (advantage r - greedy reward) a group is informative when any sample's reward
+    differs from its prompt's greedy reward, even if the samples agree among themselves. The
+    reference mask comes from the same rollout without selection. On these prompts 3 groups pass
+    the ReMax test and 1 DAPO's variance test, so the variance test would keep 1 group and pad 2.
+    Catches: dynamic sampling that ignores the baseline (drops groups of equal, non-zero advantage)."""
+    tokens, mask, index = _prompts(4)
+    key = jax.random.key(4)
+    needs = RolloutNeeds(greedy_baseline=True)
+    full, _, _ = _compiled_rollout(P, needs=needs)(params, tokens, mask, index, key)
+    rewards_pn = np.asarray(full.rewards_b).reshape(P, N)
+    baseline_p = np.asarray(full.baseline_rewards_b)[::N]
+    keep_p = np.abs(rewards_pn - baseline_p[:, None]).max(axis=1) > 0
+    assert keep_p.sum() == 3 and (rewards_pn.max(1) > rewards_pn.min(1)).sum() == 1
+    batch, metrics, _ = _compiled_rollout(G, True, needs)(params, tokens, mask, index, key)
+    want_groups = np.flatnonzero(keep_p)[:G]
+    rows = (want_groups[:, None] * N + np.arange(N)).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(batch.tokens_bt), np.asarray(full.tokens_bt)[rows])
+    np.testing.assert_array_equal(np.asarray(batch.baseline_rewards_b), np.repeat(baseline_p[want_groups], N))
+    assert float(metrics["rollout/dynamic_kept"]) == 3 and float(metrics["rollout/dynamic_padded"]) == 0
+    assert np.asarray(batch.loss_mask_bt).any(axis=1).all()
+
+
 def test_remax_iteration_end_to_end(params):
     """ReMax through the compiled iteration: the iteration reads the objective's declared needs
     from the state, and the update consumes the baseline: adv/mean equals the token mean of

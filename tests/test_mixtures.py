@@ -231,8 +231,8 @@ class FakeSampler:
     """The sample program's contract on NumPy: prompt-major rows whose rewards come from a fixed
     per-round table and whose behaviour log-probs encode (round, row)."""
 
-    def __init__(self, rewards_per_round):
-        self.rewards, self.calls = rewards_per_round, 0
+    def __init__(self, rewards_per_round, baselines_per_round=None):
+        self.rewards, self.baselines, self.calls = rewards_per_round, baselines_per_round, 0
 
     def __call__(self, params, tokens_pt, mask_pt, index_p, key):
         r, p = self.calls, tokens_pt.shape[0]
@@ -244,7 +244,8 @@ class FakeSampler:
         logp = np.where(loss, -(r * 100 + np.arange(rows)[:, None] + 1.0), 0.0).astype(np.float32)
         batch = RolloutBatch(tokens_bt=tokens, attn_mask_bt=attn, loss_mask_bt=loss, sampler_logp_bt=logp,
                              rewards_b=np.asarray(self.rewards[r], np.float32).reshape(-1),
-                             baseline_rewards_b=(r * 100 + np.arange(rows)).astype(np.float32),  # ReMax's, per row
+                             baseline_rewards_b=None if self.baselines is None else  # ReMax's greedy rewards
+                             np.repeat(np.asarray(self.baselines[r], np.float32), N),
                              group_ids_b=np.repeat(np.arange(p), N), completion_len=C)
         return batch, {"rollout/reward_mean": float(np.mean(self.rewards[r])), "rollout/tokens": rows * C}, None
 
@@ -266,7 +267,7 @@ class FakeStages:
         return self.update_fn(state, batch, key)
 
 
-def _batcher(rewards_per_round, rounds, replay=None, fraction=0.0, num_groups=3, sources=None):
+def _batcher(rewards_per_round, rounds, replay=None, fraction=0.0, num_groups=3, sources=None, baselines=None):
     seen = []
 
     def update_fn(state, batch, key):
@@ -275,7 +276,7 @@ def _batcher(rewards_per_round, rounds, replay=None, fraction=0.0, num_groups=3,
 
     sources = sources or [MixtureSource("a", _examples("a", 30), ()), MixtureSource("b", _examples("b", 30), ())]
     sampler = MixtureSampler(sources, make_policy("uniform"), seed=0, tokenizer=TOK, fmt=PromptFormat(), max_prompt_len=WIDTH)
-    fake = FakeSampler(rewards_per_round)
+    fake = FakeSampler(rewards_per_round, baselines)
     return HostBatcher(sampler, FakeStages(fake, update_fn), num_groups=num_groups, num_samples=N, rounds=rounds, replay=replay,
                        replay_fraction=fraction), seen, fake
 
@@ -297,6 +298,20 @@ def test_resampling_rounds_fill_the_batch_with_valid_groups_and_report_spend():
         {"rounds": 3, "sampled": 6, "kept": 4, "unused": 1, "padded": 0}
     assert metrics["rollout/tokens"] == 3 * 2 * N * C
     assert metrics["rollout/a/samples"] + metrics["rollout/b/samples"] == 6 * N
+
+
+def test_remax_resampling_keeps_groups_whose_samples_all_differ_from_the_greedy_reward():
+    """Under ReMax the host loop hands each round's greedy rewards to the resampler: round 0's
+    groups agree among themselves, but group 0's samples all miss where its greedy answer is right
+    (advantage -1 on each), so it is kept and group 1 (equal to its greedy reward) is dropped;
+    round 1 keeps both. The update sees groups 0, 2, 3. Catches: the variance test under ReMax (it
+    would keep only round 1's mixed group and pad the batch after the cap)."""
+    batcher, seen, fake = _batcher([[[0, 0], [1, 1]], [[1, 0], [0, 0]]], Rounds(2, 2, True), baselines=[[1, 1], [0, 1]])
+    _, metrics, _ = batcher.step(FakeState(), key=jax.random.key(0))
+    assert fake.calls == 2 and metrics["rollout/resample_padded"] == 0 and metrics["rollout/resample_kept"] == 3
+    np.testing.assert_array_equal(seen[0].rewards_b, [0, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(seen[0].baseline_rewards_b, [1, 1, 0, 0, 1, 1])
+    assert seen[0].loss_mask_bt.any(axis=1).all()
 
 
 def test_resampling_at_the_cap_pads_with_masked_groups():
@@ -331,13 +346,13 @@ def test_gather_groups_takes_rows_in_group_order():
     greedy-baseline rewards (ReMax, the learn_*.toml recipe's objective) travel with their rows.
     Catches: an off-by-one in the row arithmetic, group ids that keep round positions, or the
     baseline dropped or left in round order."""
-    fake = FakeSampler([[[0, 1], [1, 1]], [[1, 0], [0, 0]]])
+    fake = FakeSampler([[[0, 1], [1, 1]], [[1, 0], [0, 0]]], [[7, 6], [5, 4]])
     tokens = np.ones((2, WIDTH), np.int32)
     b0, _, _ = fake(None, tokens, tokens.astype(bool), None, None)
     b1, _, _ = fake(None, tokens, tokens.astype(bool), None, None)
     out = gather_groups([b0, b1], [2, 0], [True, False], N)
     np.testing.assert_array_equal(out.rewards_b, [1, 0, 0, 1])
-    np.testing.assert_array_equal(out.baseline_rewards_b, [100, 101, 0, 1])  # ReMax's greedy rewards follow their rows
+    np.testing.assert_array_equal(out.baseline_rewards_b, [5, 5, 7, 7])  # ReMax's greedy rewards follow their rows
     np.testing.assert_array_equal(out.group_ids_b, [0, 0, 1, 1])
     np.testing.assert_array_equal(out.loss_mask_bt.any(1), [True, True, False, False])
 

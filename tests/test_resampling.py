@@ -97,3 +97,23 @@ def test_impossible_batch_is_a_config_error():
     Catches: a controller that would loop until the cap and then fail to build a batch."""
     with pytest.raises(ConfigError, match="raise round_size or max_rounds"):
         RoundResampler(num_groups=9, round_size=4, max_rounds=2)
+
+
+def test_a_baseline_of_its_own_keeps_agreeing_groups_that_differ_from_it():
+    """ReMax's baseline is the greedy reward b_g, so a group is informative when max_j |r_gj - b_g|
+    > 0: against a NumPy reference of that rule on fixed rounds. Both kinds of group the variance
+    test gets wrong are present (all samples 0 under a greedy 1: kept; samples equal to a greedy 1:
+    dropped, as are those equal to a greedy 0). Catches: resampling that ignores the baseline (it
+    keeps only the mixed groups and pads the batch) or compares it with the group mean."""
+    rewards = [np.array([[0, 0, 0], [1, 1, 1], [1, 0, 1], [0, 0, 0]], np.float32),
+               np.array([[1, 1, 1], [0, 0, 0], [0, 0, 0], [1, 1, 1]], np.float32)]
+    baselines = [np.array([1, 1, 0, 0], np.float32), np.array([0, 0, 1, 1], np.float32)]
+    out = resample(lambda k: rewards[k], num_groups=4, round_size=R, max_rounds=2, baseline_round=lambda k: baselines[k])
+    keep = np.concatenate([np.abs(r - b[:, None]).max(axis=1) > 0 for r, b in zip(rewards, baselines)])
+    np.testing.assert_array_equal(keep, [True, False, True, False, True, False, True, False])
+    np.testing.assert_array_equal(out.indices_g, np.flatnonzero(keep))
+    assert out.filled and out.spend == ResampleSpend(rounds=2, sampled=8, kept=4, dropped=4, unused=0, padded=0)
+    plain = resample(lambda k: rewards[k], num_groups=4, round_size=R, max_rounds=2)
+    assert not plain.filled  # the variance test keeps only [1, 0, 1]
+    with pytest.raises(ValueError, match="baselines must be"):
+        RoundResampler(num_groups=1, round_size=R, max_rounds=1).add_round(rewards[0], np.zeros(3))

@@ -40,11 +40,22 @@ class GroupSelection:
     num_dropped: jax.Array
 
 
-def informative_groups(rewards_pn: jax.Array, atol: float = 0.0) -> jax.Array:
-    """DAPO's dynamic-sampling mask: ``max_j r_pj - min_j r_pj > atol`` (rewards not all equal)."""
+def informative_groups(rewards_pn: jax.Array, atol: float = 0.0, baseline_p: jax.Array | None = None) -> jax.Array:
+    """The groups that carry a gradient.
+
+    Without a baseline (group baselines: GRPO, RLOO, DAPO), DAPO's dynamic-sampling mask
+    ``max_j r_pj - min_j r_pj > atol``: the rewards are not all equal. With a per-prompt
+    baseline ``b_p`` that is not the group's own mean (ReMax's greedy reward), the advantage is
+    ``r_pj - b_p``, so a group is informative when ``max_j |r_pj - b_p| > atol``: eight wrong
+    samples of a prompt whose greedy answer is right all carry advantage -1, though they agree.
+    """
     rewards_pn = jnp.asarray(rewards_pn)
     chex.assert_rank(rewards_pn, 2)
-    return (rewards_pn.max(axis=1) - rewards_pn.min(axis=1)) > atol
+    if baseline_p is None:
+        return (rewards_pn.max(axis=1) - rewards_pn.min(axis=1)) > atol
+    baseline_p = jnp.asarray(baseline_p, rewards_pn.dtype)
+    chex.assert_shape(baseline_p, rewards_pn.shape[:1])
+    return jnp.abs(rewards_pn - baseline_p[:, None]).max(axis=1) > atol
 
 
 def accuracy_band(rewards_pn: jax.Array, low: float = 0.0, high: float = 1.0,
@@ -74,6 +85,7 @@ def refill(keep_p: jax.Array, num_groups: int) -> GroupSelection:
                           num_dropped=(pool - num_kept).astype(jnp.int32))
 
 
-def dynamic_sample(rewards_pn: jax.Array, num_groups: int, atol: float = 0.0) -> GroupSelection:
-    """DAPO dynamic sampling: `refill(informative_groups(rewards_pn, atol), num_groups)`."""
-    return refill(informative_groups(rewards_pn, atol), num_groups)
+def dynamic_sample(rewards_pn: jax.Array, num_groups: int, atol: float = 0.0,
+                   baseline_p: jax.Array | None = None) -> GroupSelection:
+    """DAPO dynamic sampling: `refill(informative_groups(rewards_pn, atol, baseline_p), num_groups)`."""
+    return refill(informative_groups(rewards_pn, atol, baseline_p), num_groups)

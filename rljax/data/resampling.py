@@ -2,7 +2,8 @@
 
 DAPO (Yu et al., 2025) keeps sampling until every group in the batch has reward variance
 (``max_j r_gj > min_j r_gj``, `informative_groups`): an all-equal group has zero GRPO advantage
-and only dilutes the batch. Here the sampler runs in rounds of a static R prompts (one compiled
+and only dilutes the batch. Under ReMax the baseline is the greedy answer's reward, not the
+group's mean, so a group is informative when some sample's reward differs from it. Here the sampler runs in rounds of a static R prompts (one compiled
 shape), and this host-side controller decides after each round whether to draw another:
 
     round k: rewards [R, n] -> keep the informative groups
@@ -95,14 +96,18 @@ class RoundResampler:
     def done(self) -> bool:
         return self.kept >= self.num_groups or self.rounds >= self.max_rounds
 
-    def add_round(self, rewards_rn) -> np.ndarray:
-        """Score one round's rewards ``[R, n]``; returns its keep mask ``[R]``."""
+    def add_round(self, rewards_rn, baseline_r=None) -> np.ndarray:
+        """Score one round's rewards ``[R, n]`` (and, for a baseline that is not the group's own,
+        such as ReMax's greedy reward, its ``[R]`` baselines: `informative_groups`); returns its
+        keep mask ``[R]``."""
         if self.done:
             raise ValueError("the batch is already full or the round cap is reached; call result()")
         rewards_rn = np.asarray(rewards_rn)
         if rewards_rn.ndim != 2 or rewards_rn.shape[0] != self.round_size:
             raise ValueError(f"a round must be rewards [{self.round_size}, n], got {rewards_rn.shape}")
-        keep_r = np.asarray(informative_groups(rewards_rn, self.atol), bool)
+        if baseline_r is not None and np.shape(baseline_r) != rewards_rn.shape[:1]:
+            raise ValueError(f"a round's baselines must be [{self.round_size}], got {np.shape(baseline_r)}")
+        keep_r = np.asarray(informative_groups(rewards_rn, self.atol, baseline_r), bool)
         self._keep.append(keep_r)
         return keep_r
 
@@ -120,10 +125,12 @@ class RoundResampler:
 
 
 def resample(draw_round: Callable[[int], np.ndarray], *, num_groups: int, round_size: int, max_rounds: int,
-             atol: float = 0.0) -> ResampledBatch:
-    """Run `RoundResampler` with ``draw_round(k) -> rewards [R, n]`` for rounds k = 0, 1, ...
-    (called only while the batch is not full and the cap not reached)."""
+             atol: float = 0.0, baseline_round: Callable[[int], np.ndarray] | None = None) -> ResampledBatch:
+    """Run `RoundResampler` with ``draw_round(k) -> rewards [R, n]`` (and, with a baseline of its
+    own, ``baseline_round(k) -> [R]``) for rounds k = 0, 1, ... (called only while the batch is
+    not full and the cap not reached)."""
     rs = RoundResampler(num_groups=num_groups, round_size=round_size, max_rounds=max_rounds, atol=atol)
     while not rs.done:
-        rs.add_round(draw_round(rs.rounds))
+        k = rs.rounds
+        rs.add_round(draw_round(k), None if baseline_round is None else baseline_round(k))
     return rs.result()

@@ -122,7 +122,8 @@ class HostBatcher:
             preview = preview_r if preview is None else preview
             if rs is None:
                 break
-            rs.add_round(np.asarray(batch_r.rewards_b).reshape(-1, self.n))
+            baseline_r = None if batch_r.baseline_rewards_b is None else np.asarray(batch_r.baseline_rewards_b)[::self.n]
+            rs.add_round(np.asarray(batch_r.rewards_b).reshape(-1, self.n), baseline_r)
             if rs.done:
                 break
         task_ids_s = np.concatenate([d.task_ids_b for d in drawn_all])  # every sampled group

@@ -77,8 +77,13 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
     rewards = reward_callback(out.tokens, out.mask, _repeat_rows(index_p, n))
     p = prompt_tokens_pt.shape[0]
     metrics: dict[str, jax.Array] = {}
-    if dynamic_sampling:
-        sel = dynamic_sample(rewards.total_b.reshape(p, n), num_groups)
+    baseline_p = None
+    if needs.greedy_baseline:
+        baseline_p = greedy_baseline(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
+                                     reward_callback=reward_callback)
+        metrics["rollout/baseline_reward_mean"] = jnp.mean(baseline_p)
+    if dynamic_sampling:  # under ReMax a group is informative when a sample's reward differs from the greedy one
+        sel = dynamic_sample(rewards.total_b.reshape(p, n), num_groups, baseline_p=baseline_p)
         groups_g, valid_g = sel.indices_g, sel.valid_g
         metrics.update({"rollout/dynamic_kept": sel.num_kept, "rollout/dynamic_padded": sel.num_padded,
                         "rollout/dynamic_dropped": sel.num_dropped})
@@ -91,12 +96,7 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
     prompt_mask = _repeat_rows(prompt_mask_pt[groups_g], n)
     completion_mask = take(out.mask) & _repeat_rows(valid_g, n)[:, None]
     zeros = jnp.zeros(prompt_mask.shape, out.logprobs.dtype)
-    baseline = None
-    if needs.greedy_baseline:
-        baseline_p = greedy_baseline(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
-                                     reward_callback=reward_callback)
-        baseline = _repeat_rows(baseline_p[groups_g], n)
-        metrics["rollout/baseline_reward_mean"] = jnp.mean(baseline_p)
+    baseline = None if baseline_p is None else _repeat_rows(baseline_p[groups_g], n)
     batch = RolloutBatch(
         tokens_bt=jnp.concatenate([prompt_tokens, take(out.tokens)], axis=1),
         attn_mask_bt=jnp.concatenate([prompt_mask, take(out.mask)], axis=1),
