@@ -219,6 +219,24 @@ def test_dr_grpo_normalises_by_the_completion_budget():
     assert abs(losses[None] - losses[batch.tokens_bt.shape[1]]) > 1e-4
 
 
+def test_negative_advantage_scale_shrinks_only_the_negative_side():
+    """`negative_advantage_scale` (asymmetric credit, Zhu et al. 2025) under ReMax: the prepared
+    advantage is (r - b) on rows that beat the greedy reward and 0.25 (r - b) on rows below it, on
+    every completion token (NumPy reference); the update with scale 1 keeps -1. Catches: scaling
+    both sides, scaling the positive side, or a scale applied before the baseline is subtracted."""
+    batch = dataclasses.replace(_batch(3), baseline_rewards_b=jnp.asarray([1, 0, 1, 0, 0, 1, 1, 0], jnp.float32))
+    r, b = np.asarray(batch.rewards_b), np.asarray(batch.baseline_rewards_b)
+    mask = np.asarray(batch.loss_mask_bt, np.float32)
+    for scale in (1.0, 0.25):
+        prepared, _ = prepare_batch(_state(AlgorithmConfig(algorithm="remax", negative_advantage_scale=scale)), batch)
+        diff = r - b
+        want = np.where(diff < 0, scale * diff, diff)[:, None] * mask
+        assert (diff < 0).any() and (diff > 0).any()
+        np.testing.assert_allclose(np.asarray(prepared.advantages_bt) * mask, want, atol=1e-6)
+    with pytest.raises(ConfigError, match="negative_advantage_scale=1.5 must lie in"):
+        AlgorithmConfig(algorithm="remax", negative_advantage_scale=1.5)
+
+
 def test_ppo_whitens_advantages_after_taking_value_targets():
     """PPO's preset whitens GAE advantages over the batch's completion tokens (verl, OpenAI
     baselines); the value targets are the raw advantages plus old values, as verl computes them."""

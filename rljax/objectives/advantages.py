@@ -265,6 +265,23 @@ def whiten_advantages(adv_bt, mask_bt, shift_mean: bool = True, eps: float = 1e-
     return jnp.where(m > 0, out, 0.0)
 
 
+def scale_negative_advantages(adv_bt, scale: float):
+    """Asymmetric credit: ``A'_t = A_t`` where ``A_t > 0``, ``scale * A_t`` elsewhere.
+
+    With a binary reward and ReMax's greedy baseline, every negative advantage belongs to a prompt
+    the greedy answer already solves (a wrong sample, -1): its gradient sharpens the policy around
+    answers it already gives greedily, and the entropy collapses (gcd: 0.70 -> 0.09 nats in 400
+    iterations) before the rarer positive samples of unsolved prompts move their greedy answers.
+    Scaling the negative side follows the positive/negative decomposition of *The Surprising
+    Effectiveness of Negative Reinforcement in LLM Reasoning* (Zhu et al., 2025), which weights
+    the two sides separately (their W-REINFORCE down-weights the positive side for pass@k; held-out
+    accuracy here is greedy, pass@1, so it is the negative side that is scaled). ``scale = 1`` is the
+    symmetric objective; ``scale = 0`` trains on positive samples only (rejection-sampling SFT with
+    weights).
+    """
+    return jnp.where(adv_bt < 0, scale * adv_bt, adv_bt)
+
+
 @ADVANTAGES.register("reinforce_pp")
 def reinforce_pp(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, gamma=1.0,
                  eps=1e-6, **_):

@@ -105,6 +105,7 @@ class AlgorithmConfig:
     off_policy_level: str = "token"
     off_policy_cap: float = 2.0
     recompute_old_logp: bool = False
+    negative_advantage_scale: float = 1.0
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:
@@ -129,6 +130,8 @@ class AlgorithmConfig:
         need(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0")
         need(self.kl_clamp is None or self.kl_clamp > 0, f"kl_clamp={self.kl_clamp} must be > 0 (or None)")
         need(self.value_coef >= 0, f"value_coef={self.value_coef} must be >= 0")
+        need(0 <= self.negative_advantage_scale <= 1,
+             f"negative_advantage_scale={self.negative_advantage_scale} must lie in [0, 1] (1: symmetric)")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must lie in [0, 1]")
         need(self.gamma == 1.0 or "gamma" in _DISCOUNT_PARAMS.get(self.advantage, ()),
              f"gamma={self.gamma} has no effect on advantage={self.advantage!r} (a sequence-level "

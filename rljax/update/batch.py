@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from rljax.errors import ConfigError
 from rljax.models import token_logprobs, values
-from rljax.objectives.advantages import takes_turn_returns, whiten_advantages, zero_variance_groups
+from rljax.objectives.advantages import (scale_negative_advantages, takes_turn_returns, whiten_advantages,
+                                         zero_variance_groups)
 from rljax.objectives.kl import kl
 from rljax.objectives.registry import ADVANTAGES, OFF_POLICY
 
@@ -197,6 +198,8 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     returns = None if old_values is None else sg(adv + old_values)  # value targets from raw advantages
     if algo.whiten_advantages:
         adv = whiten_advantages(adv, mask)
+    if algo.negative_advantage_scale != 1.0:
+        adv = scale_negative_advantages(adv, algo.negative_advantage_scale)
     adv = sg(adv)
 
     n = jnp.maximum(jnp.sum(mask), 1.0)
