@@ -3,8 +3,9 @@
 DAPO (Yu et al., 2025) keeps sampling until every group in the batch has reward variance
 (``max_j r_gj > min_j r_gj``, `informative_groups`): an all-equal group has zero GRPO advantage
 and only dilutes the batch. Under ReMax the baseline is the greedy answer's reward, not the
-group's mean, so a group is informative when some sample's reward differs from it. Here the sampler runs in rounds of a static R prompts (one compiled
-shape), and this host-side controller decides after each round whether to draw another:
+group's mean, so a group is informative when some sample's reward differs from it. Here the
+sampler runs in rounds of a static R prompts (one compiled shape), and this host-side controller
+decides after each round whether to draw another:
 
     round k: rewards [R, n] -> keep the informative groups
     stop when kept >= num_groups (filled) or k + 1 == max_rounds (the cap)
