@@ -18,6 +18,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
 _ACTIVATIONS = ("silu", "gelu_tanh")
 _ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    # How attention runs (not part of the architecture, never written to config.json): see
+    # `rljax.models.attention.resolve_attention`.
+    attention: str = "auto"
 
     def __post_init__(self):
         def need(ok: bool, msg: str):
@@ -76,6 +80,8 @@ class ModelConfig:
         need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
         for name in ("param_dtype", "compute_dtype"):
             need(getattr(self, name) in _DTYPES, f"{name}={getattr(self, name)!r}; choose one of {tuple(_DTYPES)}")
+        need(self.attention in ATTENTION_IMPLEMENTATIONS,
+             f"attention={self.attention!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
         need(self.sliding_window_pattern == 0 or self.sliding_window,
              "sliding_window_pattern > 0 needs sliding_window set")
 

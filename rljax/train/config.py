@@ -43,6 +43,7 @@ class ModelSection:
     max_positions: int = 256
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
 
     def __post_init__(self):
         if self.checkpoint is None and self.tokenizer is None:

@@ -42,14 +42,15 @@ def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
     dtypes, or a Qwen2-style model sized by the section for random init."""
     if section.checkpoint:
         return read_hf_config(section.checkpoint, param_dtype=section.param_dtype,
-                              compute_dtype=section.compute_dtype)
+                              compute_dtype=section.compute_dtype, attention=section.attention)
     return ModelConfig(
         model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=section.hidden_size,
         intermediate_size=section.intermediate_size, num_layers=section.num_layers,
         num_heads=section.num_heads, num_kv_heads=section.num_kv_heads, head_dim=section.head_dim,
         qkv_bias=True, tie_embeddings=True, max_positions=section.max_positions,
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_ids[0] if tokenizer.eos_ids else None,
-        pad_token_id=tokenizer.pad_id, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+        pad_token_id=tokenizer.pad_id, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+        attention=section.attention)
 
 
 def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
@@ -63,7 +64,7 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
     shardings = layout.params(jax.eval_shape(lambda: init_params(cfg, key))) if layout is not None else None
     if section.checkpoint:
         return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
-                       shardings=shardings)
+                       shardings=shardings, attention=section.attention)
     return cfg, init_params(cfg, key, shardings=shardings)
 
 
