@@ -3,6 +3,11 @@
 Configs are frozen dataclasses (nested). `build(cls, mapping)` checks every key and type and
 raises a one-line `ConfigError` that lists the valid choices; `apply_overrides` parses
 `section.key=value` strings (values are TOML literals, or bare strings).
+
+A numeric field declares its allowed range beside itself, `iterations: int = bounded(60, ge=0)`,
+and `build` checks every given value against it before the dataclass is made, so a value out of
+range is one line naming the key, the value and the range (`rl.iterations=-3 must be >= 0`),
+raised at load time rather than by whichever stage first trips over it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,65 @@ from pathlib import Path
 from typing import Any
 
 from rljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The allowed values of a numeric setting: an interval (`ge`/`gt` below, `le`/`lt` above; an
+    end left None is unbounded) plus any `also` values outside it that mean something (-1: "the
+    rest"). None always passes (an optional setting left unset); a tuple passes when each item does."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    also: tuple[float, ...] = ()
+
+    def contains(self, x: float) -> bool:
+        if x in self.also:
+            return True
+        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
+
+    def describe(self) -> str:
+        """The range as the error states it: `>= 0`, `> 0`, `in (0, 1]`, `>= 1 or -1`."""
+        lo = (self.ge, "[", ">=") if self.ge is not None else (self.gt, "(", ">") if self.gt is not None else None
+        hi = (self.le, "]", "<=") if self.le is not None else (self.lt, ")", "<") if self.lt is not None else None
+        if lo and hi:
+            text = f"in {lo[1]}{_num(lo[0])}, {_num(hi[0])}{hi[1]}"
+        else:
+            end = lo or hi
+            text = f"{end[2]} {_num(end[0])}" if end else "any number"
+        return text + "".join(f" or {_num(v)}" for v in self.also)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def bounded(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, also: tuple[float, ...] = ()):
+    """A dataclass field whose numeric value must lie in the given range (see `Bound`); `build`
+    refuses any other value at load time in one line."""
+    return dataclasses.field(default=default, metadata={"bound": Bound(ge=ge, gt=gt, le=le, lt=lt, also=also)})
+
+
+def field_bound(field: dataclasses.Field) -> Bound | None:
+    """The range a field declares with `bounded`, or None."""
+    return field.metadata.get("bound")
+
+
+def check_bound(value: Any, bound: Bound, key: str) -> None:
+    """Raises one ConfigError line when `value` (a number, None, or a nested tuple of them) lies
+    outside `bound`."""
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            check_bound(item, bound, f"{key}[{i}]")
+        return
+    if isinstance(value, (int, float)) and not bound.contains(value):
+        raise ConfigError(f"{key}={value!r} must be {bound.describe()}")
 
 
 def _is_config(tp) -> bool:
@@ -88,6 +152,10 @@ def build(cls, mapping: dict[str, Any], prefix: str = ""):
     if unknown:
         raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; valid keys here: {', '.join(sorted(fields))}")
     kwargs = {name: _coerce(value, hints[name], prefix + name) for name, value in mapping.items()}
+    for name, value in kwargs.items():
+        bound = field_bound(fields[name])
+        if bound is not None:
+            check_bound(value, bound, prefix + name)
     try:
         return cls(**kwargs)
     except TypeError as e:

@@ -7,6 +7,7 @@ import dataclasses
 
 import optax
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 
 
@@ -30,16 +31,16 @@ SCHEDULES = {"constant": _constant, "cosine": _cosine}
 class OptimConfig:
     """AdamW hyper-parameters; `total_steps` counts optimiser updates (cosine decay length)."""
 
-    learning_rate: float = 1e-6
+    learning_rate: float = bounded(1e-6, ge=0)
     schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    final_lr_ratio: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
+    warmup_steps: int = bounded(0, ge=0)
+    total_steps: int = bounded(1000, ge=1)
+    final_lr_ratio: float = bounded(0.0, ge=0, le=1)
+    b1: float = bounded(0.9, ge=0, lt=1)
+    b2: float = bounded(0.999, ge=0, lt=1)
+    eps: float = bounded(1e-8, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    max_grad_norm: float | None = bounded(1.0, gt=0)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

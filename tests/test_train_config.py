@@ -1,14 +1,19 @@
 """Recipes load, validate and override; bad input is one clear line."""
 
+import dataclasses
+import functools
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
+from rljax.config_io import Bound, check_bound, field_bound
 from rljax.errors import ConfigError
-from rljax.train.config import CONFIG_DIR, load_config
+from rljax.objectives.config import PRESETS, AlgorithmConfig
+from rljax.train.config import CONFIG_DIR, SourceSection, TrainConfig, load_config
 
 RECIPES = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
 
@@ -122,3 +127,110 @@ def test_a_wheel_install_has_the_recipes(tmp_path):
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(load_config().rl.iterations), "ppo"]
+
+
+# ----------------------------------------------------------------------------- numeric ranges
+
+
+def _numeric(tp) -> bool:
+    """Whether a field's type holds numbers (int, float; optional, a union or a tuple of them)."""
+    if tp in (int, float):
+        return True
+    return any(_numeric(arg) for arg in typing.get_args(tp) if arg is not bool)
+
+
+def _declared_settings(cls=TrainConfig, prefix=""):
+    """(dotted key, field, type) of every numeric setting under `cls`, walked from the dataclasses'
+    own type hints: a new numeric field anywhere in the run's config shows up here."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp):
+            yield from _declared_settings(tp, f"{prefix}{f.name}.")
+        elif inner:  # a list of sections: data.sources
+            yield from _declared_settings(inner[0], f"{prefix}{f.name}[0].")
+        elif _numeric(tp):
+            yield prefix + f.name, f, tp
+
+
+SETTINGS = list(_declared_settings())
+
+
+def _outside(bound: Bound) -> list[float]:
+    """A value just past each finite end of `bound`, as an integer where the end is one."""
+    lo = bound.ge if bound.ge is not None else bound.gt
+    hi = bound.le if bound.le is not None else bound.lt
+    values = []
+    if lo is not None:
+        values.append(lo - (bound.ge is not None) if float(lo).is_integer() else lo / 2)
+    if hi is not None:
+        values.append(hi + (bound.le is not None) if float(hi).is_integer() else hi * 2)
+    return [v for v in values if not bound.contains(v)]
+
+
+def _override(key: str, tp, value) -> str:
+    """`key=value` as the command line takes it: a tuple setting gets a list (a list of lists for
+    stop sequences), a setting of data.sources an inline table."""
+    text = str(int(value)) if float(value).is_integer() else repr(value)
+    nesting = str(tp).count("tuple[")
+    text = "[" * nesting + text + "]" * nesting
+    if key.startswith("data.sources[0]."):
+        return f"data.sources=[{{{key.split('.')[-1]} = {text}}}]"
+    return f"{key}={text}"
+
+
+def test_every_numeric_setting_declares_its_range():
+    """Each numeric key of the run's config carries a `bounded(...)` range, and the defaults (and
+    every algorithm preset's values) lie inside it. The count pins the set of keys: a new numeric
+    setting without a range fails the first assertion; one with a range changes the count, so
+    this test and the generated one below are updated together.
+
+    Catches: a numeric field added as `x: int = 3` (no range), and a range that refuses its own
+    default (`learning_rate: float = bounded(1e-6, gt=1e-3)`)."""
+    unranged = [key for key, f, _ in SETTINGS if field_bound(f) is None]
+    assert not unranged, f"numeric settings without a declared range: {unranged}"
+    assert len(SETTINGS) == 114
+    defaults = TrainConfig()
+    for key, f, _ in SETTINGS:
+        if key.startswith("data.sources"):
+            value = getattr(SourceSection(), f.name)
+        else:
+            value = functools.reduce(getattr, key.split("."), defaults)
+        check_bound(value, field_bound(f), key)
+    for name in PRESETS:
+        preset = AlgorithmConfig(algorithm=name)
+        for f in dataclasses.fields(AlgorithmConfig):
+            if field_bound(f) is not None:
+                check_bound(getattr(preset, f.name), field_bound(f), f"algorithm.{f.name} ({name})")
+
+
+CASES = [(key, tp, value, field_bound(f)) for key, f, tp in SETTINGS for value in _outside(field_bound(f))]
+
+
+@pytest.mark.parametrize("key,tp,value,bound", CASES, ids=[f"{c[0]}={c[2]}" for c in CASES])
+def test_out_of_range_setting_is_refused_in_one_line_before_anything_runs(key, tp, value, bound, monkeypatch,
+                                                                          capsys):
+    """`rljax train KEY=VALUE` with VALUE just outside KEY's declared range exits 2 with one line
+    naming the key, the value and the range, before the run allocates an array or trains.
+
+    Catches: a range declared but not checked at load (`build` skipping `check_bound`), a check
+    whose message drops the key (`batch size -1 must be >= 1`), and a negative `rl.iterations`
+    reaching the warm start (the patched `train` raises if called)."""
+    import jax
+
+    from rljax.cli import main
+
+    def trained(*args, **kwargs):
+        raise AssertionError(f"{key}={value} reached training")
+
+    monkeypatch.setattr("rljax.train.loop.train", trained)
+    arrays = len(jax.live_arrays())
+    code = main(["train", _override(key, tp, value)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    match = re.fullmatch(r"rljax train: error: (\S+)=(\S+) must be (.+)", err)
+    assert match, err
+    assert match.group(1) == key or match.group(1).startswith(key + "["), err  # a tuple names its item
+    assert float(match.group(2)) == value and match.group(3) == bound.describe(), err
+    assert len(jax.live_arrays()) == arrays

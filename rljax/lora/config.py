@@ -17,6 +17,7 @@ import dataclasses
 import math
 import re
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.models.config import ModelConfig
 
@@ -68,9 +69,9 @@ class LoraConfig:
     matmuls per projection and token (same function, rounded once; see BENCHMARKS.md).
     """
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = bounded(0, ge=0)
+    alpha: float = bounded(16.0, gt=0)
+    dropout: float = bounded(0.0, ge=0, lt=1)
     targets: tuple[str, ...] = ATTENTION_AND_MLP
     rslora: bool = False
     adapter: str | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY,
                                        POLICY_LOSSES, ROLLOUT_NEEDS)
@@ -86,26 +87,26 @@ class AlgorithmConfig:
     policy_loss: str | None = None
     aggregation: str | None = None
     kl_estimator: str | None = None
-    clip_eps_low: float | None = None
-    clip_eps_high: float | None = None
-    dual_clip: float | None = None
-    kl_coef: float | None = None
+    clip_eps_low: float | None = bounded(None, ge=0)
+    clip_eps_high: float | None = bounded(None, ge=0)
+    dual_clip: float | None = bounded(None, gt=1)
+    kl_coef: float | None = bounded(None, ge=0)
     kl_in_reward: bool | None = None
-    kl_clamp: float | None = None
+    kl_clamp: float | None = bounded(None, gt=0)
     std_normalize: bool | None = None
     whiten_advantages: bool | None = None
-    value_coef: float | None = None
-    entropy_coef: float = 0.0
-    value_clip: float | None = 0.2
-    gamma: float = 1.0
-    lam: float = 1.0
-    eps: float = 1e-6
-    norm_length: int | None = None
+    value_coef: float | None = bounded(None, ge=0)
+    entropy_coef: float = bounded(0.0, ge=0)
+    value_clip: float | None = bounded(0.2, gt=0)
+    gamma: float = bounded(1.0, ge=0, le=1)
+    lam: float = bounded(1.0, ge=0, le=1)
+    eps: float = bounded(1e-6, gt=0)
+    norm_length: int | None = bounded(None, ge=1)
     off_policy: str = "none"
     off_policy_level: str = "token"
-    off_policy_cap: float = 2.0
+    off_policy_cap: float = bounded(2.0, ge=1)
     recompute_old_logp: bool = False
-    negative_advantage_scale: float = 1.0
+    negative_advantage_scale: float = bounded(1.0, ge=0, le=1)
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:

@@ -7,6 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 
 
@@ -19,9 +20,9 @@ class RewardShaping:
     completion budget.
     """
 
-    overlong_max_length: int | None = None
-    overlong_buffer: int = 0
-    length_penalty: float = 0.0
+    overlong_max_length: int | None = bounded(None, ge=1)
+    overlong_buffer: int = bounded(0, ge=0)
+    length_penalty: float = bounded(0.0, ge=0)
 
     def __post_init__(self):
         if self.overlong_max_length is not None and self.overlong_max_length < 1:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.sampling.filters import Filters, make_filters
 
@@ -84,23 +85,23 @@ class SampleControls:
     Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
     """
 
-    max_new_tokens: int
-    num_samples: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    max_new_tokens: int = bounded(ge=1)
+    num_samples: int = bounded(1, ge=1)
+    temperature: float = bounded(1.0, ge=0)
+    top_k: int = bounded(0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    min_p: float = bounded(0.0, ge=0, lt=1)
     greedy: bool = False
-    eos_ids: tuple[int, ...] | None = None
-    stop_sequences: tuple[tuple[int, ...], ...] = ()
-    pad_id: int | None = None
+    eos_ids: tuple[int, ...] | None = bounded(None, ge=0)
+    stop_sequences: tuple[tuple[int, ...], ...] = bounded((), ge=0)
+    pad_id: int | None = bounded(None, ge=0)
     scheduler: str = "static"
-    slots: int = 0
-    max_total_tokens: int = 0
-    prefill_batch: int = 0
-    refill_batch: int = 0
+    slots: int = bounded(0, ge=0)
+    max_total_tokens: int = bounded(0, ge=0)
+    prefill_batch: int = bounded(0, ge=0)
+    refill_batch: int = bounded(0, ge=0)
     kv_layout: str = "slots"
-    page_size: int = 16
+    page_size: int = bounded(16, ge=1)
     batch_invariant: bool = False
     logits_processor: Callable | None = None
 

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from rljax.config_io import apply_overrides, build, load_toml, to_dict
+from rljax.config_io import apply_overrides, bounded, build, load_toml, to_dict
 from rljax.errors import ConfigError
 from rljax.lora import LoraConfig
 from rljax.storage import copy_locally_hint, is_remote
@@ -34,13 +34,13 @@ class ModelSection:
 
     checkpoint: str | None = None
     tokenizer: str | None = None
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_layers: int = 3
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    max_positions: int = 256
+    hidden_size: int = bounded(128, ge=1)
+    intermediate_size: int = bounded(256, ge=1)
+    num_layers: int = bounded(3, ge=1)
+    num_heads: int = bounded(4, ge=1)
+    num_kv_heads: int = bounded(2, ge=1)
+    head_dim: int = bounded(32, ge=1)
+    max_positions: int = bounded(256, ge=1)
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
@@ -79,13 +79,13 @@ class SourceSection:
     name: str | None = None
     task: str = "chain_sum"
     task_kwargs: dict = dataclasses.field(default_factory=dict)
-    level: int = 0
-    weight: float = 1.0
+    level: int = bounded(0, ge=0)
+    weight: float = bounded(1.0, ge=0)
     verifier: Literal["reasoning_gym", "math", "code"] | None = None
     path: str | None = None
     fields: dict = dataclasses.field(default_factory=dict)
-    size: int = 2000
-    eval_size: int = 100
+    size: int = bounded(2000, ge=1)
+    eval_size: int = bounded(100, ge=0)
     fresh: bool = False
     fresh_draws: Literal["distinct", "iid"] = "distinct"
     prompt_template: str | None = None
@@ -96,8 +96,6 @@ class SourceSection:
         if self.fresh and self.kind != "reasoning_gym":
             raise ConfigError(f"data.sources: fresh = true needs a reasoning_gym source, not {self.kind}; "
                               "set fresh = false")
-        if self.weight < 0:
-            raise ConfigError(f"data.sources: weight={self.weight} must be >= 0")
 
     @property
     def label(self) -> str:
@@ -132,20 +130,20 @@ class DataSection:
     tfds_name: str | None = None
     tfds_data_dir: str | None = None
     tfds_split: str = "train"
-    size: int = 20000
-    eval_size: int = 400
+    size: int = bounded(20000, ge=1)
+    eval_size: int = bounded(400, ge=0)
     eval_path: str | None = None
-    seed: int = 1
+    seed: int = bounded(1, ge=0)
     prompt_template: str = "{question}"
     chat: bool = False
     system_prompt: str | None = None
     add_bos: bool = True
-    max_prompt_tokens: int = 64
-    prompt_buckets: tuple[int, ...] = ()
+    max_prompt_tokens: int = bounded(64, ge=1)
+    prompt_buckets: tuple[int, ...] = bounded((), ge=1)
     sources: tuple[SourceSection, ...] = ()
     selection: str = "uniform"
     selection_options: dict = dataclasses.field(default_factory=dict)
-    band_max_redraws: int = 4
+    band_max_redraws: int = bounded(4, ge=0)
 
     def __post_init__(self):
         from rljax.data.selection import POLICIES
@@ -154,8 +152,6 @@ class DataSection:
         labels = [s.label for s in self.sources]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"data.sources names {labels} repeat; give each source a distinct name = '...'")
-        if self.band_max_redraws < 0:
-            raise ConfigError(f"data.band_max_redraws={self.band_max_redraws} must be >= 0")
 
     @property
     def is_mixture(self) -> bool:
@@ -174,9 +170,9 @@ class RewardSection:
 
     kind: Literal["reasoning_gym", "math", "code"] = "reasoning_gym"
     answer_methods: tuple[str, ...] = ("answer_tag", "final_line")
-    format_weight: float = 0.0
+    format_weight: float = bounded(0.0, ge=0)
     format_pattern: str = r"(?s)^<think>.*</think>\s*<answer>.*</answer>\s*$"
-    time_limit_s: float = 5.0
+    time_limit_s: float = bounded(5.0, gt=0)
     inline: bool = False
 
 
@@ -194,17 +190,17 @@ class WarmStartSection:
     held out of the warm start's SFT set (`rljax.data.splits.warm_start_split`).
     """
 
-    steps: int = 0
-    batch_size: int = 64
-    learning_rate: float = 1e-3
-    warmup_steps: int = 0
-    target_accuracy: float = 0.0
-    validation_size: int = 200
-    check_every: int = 25
-    max_seconds: float = 0.0  # > 0: also stop after this wall time (for equal-time SFT controls)
-    patience: int = 0
-    min_delta: float = 0.01
-    nll_rel_delta: float = 0.01
+    steps: int = bounded(0, ge=0)
+    batch_size: int = bounded(64, ge=1)
+    learning_rate: float = bounded(1e-3, gt=0)
+    warmup_steps: int = bounded(0, ge=0)
+    target_accuracy: float = bounded(0.0, ge=0, le=1)
+    validation_size: int = bounded(200, ge=1)
+    check_every: int = bounded(25, ge=1)
+    max_seconds: float = bounded(0.0, ge=0)  # > 0: also stop after this wall time (for equal-time SFT controls)
+    patience: int = bounded(0, ge=0)
+    min_delta: float = bounded(0.01, ge=0)
+    nll_rel_delta: float = bounded(0.01, ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,15 +211,10 @@ class ReplaySection:
     Replay is keyed on the prompt, so it needs prompts that come back: a pool, not `fresh`
     questions."""
 
-    capacity: int = 0
-    fraction: float = 0.25
-    per_prompt: int = 2
-    max_pass_rate: float = 0.5
-
-    def __post_init__(self):
-        if self.capacity < 0 or self.per_prompt < 1 or not 0.0 <= self.fraction <= 1.0:
-            raise ConfigError(f"rl.replay needs capacity >= 0, per_prompt >= 1 and 0 <= fraction <= 1, got "
-                              f"{self.capacity}, {self.per_prompt}, {self.fraction}")
+    capacity: int = bounded(0, ge=0)
+    fraction: float = bounded(0.25, ge=0, le=1)
+    per_prompt: int = bounded(2, ge=1)
+    max_pass_rate: float = bounded(0.5, ge=0, le=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,31 +245,22 @@ class RLSection:
     recomputes the KV cache under it and goes on; unfinished rows keep their tokens, each token
     keeps the version and log-prob it was drawn with (`rljax.sampling.interruptible`)."""
 
-    iterations: int = 60
-    prompts_per_iteration: int = 64
+    iterations: int = bounded(60, ge=0)
+    prompts_per_iteration: int = bounded(64, ge=1)
     dynamic_sampling: bool = False
-    oversample: float = 2.0
-    reference_reset_every: int = 0
-    resample_round_size: int = 0
-    resample_max_rounds: int = 4
+    oversample: float = bounded(2.0, ge=1)
+    reference_reset_every: int = bounded(0, ge=0)
+    resample_round_size: int = bounded(0, ge=0)
+    resample_max_rounds: int = bounded(4, ge=1)
     replay: ReplaySection = ReplaySection()
     mode: Literal["sync", "one_step_off", "async"] = "sync"
-    max_staleness: int = 1
-    queue_batches: int = 2
+    max_staleness: int = bounded(1, ge=0)
+    queue_batches: int = bounded(2, ge=1)
     stale_rows: Literal["wait", "drop"] = "wait"
     partial_rollouts: bool = False
-    segment_steps: int = 8
+    segment_steps: int = bounded(8, ge=1)
 
     def __post_init__(self):
-        if self.segment_steps < 1:
-            raise ConfigError(f"rl.segment_steps={self.segment_steps} must be >= 1 (decode steps between checks "
-                              "for new params)")
-        if self.max_staleness < 0 or self.queue_batches < 1:
-            raise ConfigError(f"rl.max_staleness={self.max_staleness} must be >= 0 and rl.queue_batches="
-                              f"{self.queue_batches} >= 1")
-        if self.resample_round_size < 0 or self.resample_max_rounds < 1:
-            raise ConfigError(f"rl.resample_round_size={self.resample_round_size} must be >= 0 and "
-                              f"rl.resample_max_rounds={self.resample_max_rounds} >= 1")
         if self.resample_round_size and self.dynamic_sampling:
             raise ConfigError("rl.resample_round_size resamples instead of rl.dynamic_sampling's fixed pool; "
                               "set one of them")
@@ -295,18 +277,18 @@ class RLSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
-    every: int = 10
-    size: int = 400
-    pass_k: tuple[int, ...] = (1, 4)
-    num_samples: int = 4
-    seeds: int = 3
-    temperature: float = 1.0
+    every: int = bounded(10, ge=1)
+    size: int = bounded(400, ge=1)
+    pass_k: tuple[int, ...] = bounded((1, 4), ge=1)
+    num_samples: int = bounded(4, ge=1)
+    seeds: int = bounded(3, ge=1)
+    temperature: float = bounded(1.0, ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-    every: int = 20
-    keep_last: int = 2
+    every: int = bounded(20, ge=1)
+    keep_last: int = bounded(2, ge=1)
     best_metric: str | None = "eval/accuracy"
 
 
@@ -332,20 +314,17 @@ class MeshSection:
     peer silent for `transport_timeout_s` seconds stops the run.
     """
 
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
-    devices: int = 0
+    data: int = bounded(1, ge=1, also=(-1,))
+    fsdp: int = bounded(-1, ge=1, also=(-1,))
+    tensor: int = bounded(1, ge=1, also=(-1,))
+    devices: int = bounded(0, ge=0)
     sampler: Literal["shared", "tensor"] = "shared"
-    sampler_tensor: int = 0
-    sampler_devices: int | float = 0
-    sampler_processes: int = 0
-    transport_timeout_s: float = 120.0
+    sampler_tensor: int = bounded(0, ge=0)
+    sampler_devices: int | float = bounded(0, ge=0)
+    sampler_processes: int = bounded(0, ge=0)
+    transport_timeout_s: float = bounded(120.0, gt=0)
 
     def __post_init__(self):
-        if self.sampler_processes < 0 or self.transport_timeout_s <= 0:
-            raise ConfigError(f"mesh.sampler_processes={self.sampler_processes} must be >= 0 and "
-                              f"mesh.transport_timeout_s={self.transport_timeout_s} > 0")
         if self.sampler_processes and self.sampler_devices:
             raise ConfigError("mesh.sampler_processes gives the sampler whole processes; drop mesh.sampler_devices "
                               "(set it to 0)")
@@ -353,8 +332,6 @@ class MeshSection:
                 or 0 < self.sampler_devices < 1):
             raise ConfigError(f"mesh.sampler_devices={self.sampler_devices} must be a device count >= 1, a fraction "
                               "in (0, 1), or 0 (the sampler shares the trainer's devices)")
-        if self.sampler_tensor < 0:
-            raise ConfigError(f"mesh.sampler_tensor={self.sampler_tensor} must be >= 0 (0: the trainer's tensor size)")
         if self.sampler_tensor and self.sampler == "shared" and not self.sampler_devices:
             raise ConfigError("mesh.sampler_tensor only applies to a separate sampler layout; "
                               "set mesh.sampler='tensor' (or mesh.sampler_devices) or drop mesh.sampler_tensor")
@@ -368,7 +345,7 @@ class MetricsSection:
     tensorboard: bool = True
     wandb_project: str | None = None
     progress_bar: bool = True
-    samples_every: int = 50
+    samples_every: int = bounded(50, ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,12 +358,8 @@ class PlanSection:
     to change. `check = false` skips it (the plan compiles the run's programs once more)."""
 
     accelerator: Literal["v5e", "v5p", "v6e", "h100", "h200"] | None = None
-    device_memory_gib: float = 0.0
+    device_memory_gib: float = bounded(0.0, ge=0)
     check: bool = True
-
-    def __post_init__(self):
-        if self.device_memory_gib < 0:
-            raise ConfigError(f"plan.device_memory_gib={self.device_memory_gib} must be >= 0 (0: not set)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,21 +380,14 @@ class EnvSection:
 
     name: str | None = None
     format: str = "tags"
-    max_turns: int = 3
-    max_episode_tokens: int = 64
-    max_observation_tokens: int = 16
+    max_turns: int = bounded(3, ge=1)
+    max_episode_tokens: int = bounded(64, ge=1)
+    max_observation_tokens: int = bounded(16, ge=1)
     truncation_marker: str = "..."
     void_turn_filter: bool = True
-    turn_discount: float = 1.0
+    turn_discount: float = bounded(1.0, gt=0, le=1)
     credit: Literal["episode", "turn"] = "episode"
     options: dict = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        for name in ("max_turns", "max_episode_tokens", "max_observation_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"env.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.turn_discount <= 1.0:
-            raise ConfigError(f"env.turn_discount must be in (0, 1], got {self.turn_discount}")
 
     @property
     def enabled(self) -> bool:
@@ -434,7 +400,7 @@ class TrainConfig:
     """A whole run. `seed` drives init, sampling and shuffling; the same seed and config on the
     same hardware give the same result."""
 
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     output_dir: str = "runs/default"
     model: ModelSection = ModelSection(tokenizer="chars:0123456789+-= ")
     data: DataSection = DataSection()

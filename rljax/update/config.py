@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.models import LogprobChunks, auto_chunk_size
 
@@ -26,13 +27,13 @@ class UpdateConfig:
     off and `entropy_coef = 0` the entropy is not computed at all.
     """
 
-    num_epochs: int = 1
-    num_minibatches: int = 1
-    num_microbatches: int = 1
+    num_epochs: int = bounded(1, ge=1)
+    num_minibatches: int = bounded(1, ge=1)
+    num_microbatches: int = bounded(1, ge=1)
     remat: bool = False
     unroll_layers: bool = False
-    logprob_chunk: int | None = None
-    logprob_vocab_chunk: int | None = None
+    logprob_chunk: int | None = bounded(None, ge=1)
+    logprob_vocab_chunk: int | None = bounded(None, ge=1)
     log_entropy: bool = True
 
     def __post_init__(self):
