@@ -1,7 +1,9 @@
 """Pure-functional policy and value models: Llama, Qwen2/3 and Gemma 1/2 as params pytrees."""
 
 from rljax.models.config import ModelConfig, from_hf_dict, preset, to_hf_dict
+from rljax.models.gguf import is_gguf, load_gguf, read_gguf_config
 from rljax.models.hf_io import load_hf, read_hf_config, save_hf
+from rljax.models.packaged import PACKAGED_MODELS, resolve_checkpoint
 from rljax.models.scoring import (LOGITS_BUDGET_BYTES, LogprobChunks, auto_chunk_size, fused_logprobs,
                                   init_value_params, logprobs_from_logits, token_logprobs, values)
 from rljax.models.transformer import (CACHE_SLOT_AXIS, default_positions, forward, hidden_states, init_cache,
@@ -14,4 +16,5 @@ __all__ = [
     "unstack_layers", "rope_table",
     "default_positions", "token_logprobs", "fused_logprobs", "output_embedding", "auto_chunk_size", "LogprobChunks",
     "LOGITS_BUDGET_BYTES", "logprobs_from_logits", "init_value_params", "values",
+    "load_gguf", "read_gguf_config", "is_gguf", "resolve_checkpoint", "PACKAGED_MODELS",
 ]

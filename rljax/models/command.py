@@ -1,4 +1,5 @@
-"""`rljax inspect`: load a HF checkpoint, print its config and size, optionally re-export it."""
+"""`rljax inspect` (load a HF checkpoint, print its config and size, optionally re-export it) and
+`rljax convert` (a GGUF file, or a packaged model's name, into a Hugging Face directory)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ def register(sub) -> None:
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--export", metavar="DIR", help="also write it back out as a HF directory")
     p.set_defaults(func=_inspect)
+    p = sub.add_parser("convert", help="write a GGUF model (dequantised to f32) as a Hugging Face directory")
+    p.add_argument("gguf", help="a .gguf file, or a packaged model's name (smollm2-135m-instruct)")
+    p.add_argument("out_dir", help="directory to write: config.json, model.safetensors, tokenizer files")
+    p.set_defaults(func=_convert)
 
 
 def _inspect(args) -> int:
@@ -24,4 +29,24 @@ def _inspect(args) -> int:
     print(f"{'parameters':28s} {n:,}")
     if args.export:
         print(f"exported to {save_hf(cfg, params, args.export)}")
+    return 0
+
+
+def _convert(args) -> int:
+    import jax
+
+    from rljax.errors import CheckpointError
+    from rljax.models import is_gguf, load_gguf, resolve_checkpoint, save_hf
+    from rljax.tokenizers import gguf_tokenizer
+
+    path = resolve_checkpoint(args.gguf)
+    if not is_gguf(path):
+        raise CheckpointError(f"{args.gguf!r} is not a .gguf file or a packaged model's name; pass a GGUF file")
+    cfg, params = load_gguf(path)
+    tokenizer = gguf_tokenizer(path)
+    out = save_hf(cfg, params, args.out_dir)
+    written = tokenizer.save(out)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    print(f"converted {path} ({cfg.model_type}, {n / 1e6:.1f}M params, f32) to {out}: config.json, "
+          f"model.safetensors, {', '.join(written)}")
     return 0

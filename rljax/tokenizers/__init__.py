@@ -16,6 +16,7 @@ from rljax.errors import RljaxError
 from rljax.tokenizers.base import Tokenizer, check_token_ids
 from rljax.tokenizers.batching import bucket_length, pad_batch
 from rljax.tokenizers.char import CharTokenizer
+from rljax.tokenizers.gguf import gguf_tokenizer
 from rljax.tokenizers.hf import HFTokenizer
 from rljax.tokenizers.qwen import VOCABS as QWEN_VOCABS
 from rljax.tokenizers.qwen import load_qwen
@@ -29,6 +30,7 @@ __all__ = [
     "Tokenizer",
     "bucket_length",
     "check_token_ids",
+    "gguf_tokenizer",
     "load",
     "load_qwen",
     "pad_batch",
@@ -41,6 +43,7 @@ def load(path_or_name: str | Path) -> Tokenizer:
     - a directory with `tokenizer.json` (or that file): `HFTokenizer` (HF fast tokenizer + its
       config files);
     - a directory with only `tokenizer.model`, or a `.model` file: `SentencePieceTokenizer`;
+    - a `.gguf` file: the tokenizer in its metadata (`gguf_tokenizer`);
     - "qwen", "qwen3", "qwen2.5", "qwen3.5", "qwen3.6": the Qwen vocabularies (`load_qwen`).
     """
     path = Path(path_or_name)
@@ -51,6 +54,8 @@ def load(path_or_name: str | Path) -> Tokenizer:
             return SentencePieceTokenizer(path / "tokenizer.model", config_dir=path)
     elif path.is_file() and path.name == "tokenizer.json":
         return HFTokenizer.from_dir(path.parent)
+    elif path.is_file() and path.suffix == ".gguf":
+        return gguf_tokenizer(path)
     elif path.is_file() and path.suffix == ".model":
         config_dir = path.parent if path.name == "tokenizer.model" else None
         return SentencePieceTokenizer(path, config_dir=config_dir)

@@ -20,7 +20,8 @@ from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat, render_prompt
 from rljax.errors import ConfigError
 from rljax.lora import LoraConfig, adapter_shapes, load_peft
-from rljax.models import ModelConfig, init_params, load_hf, read_hf_config
+from rljax.models import ModelConfig, init_params, is_gguf, load_gguf, load_hf, read_gguf_config, read_hf_config
+from rljax.models import resolve_checkpoint
 from rljax.sharding import Layout
 from rljax.tokenizers import CharTokenizer, Tokenizer
 from rljax.tokenizers import load as load_tokenizer
@@ -34,15 +35,17 @@ def build_tokenizer(section: ModelSection) -> Tokenizer:
     name = section.tokenizer or section.checkpoint
     if name.startswith(CHARS_PREFIX):
         return CharTokenizer(name[len(CHARS_PREFIX):])
-    return load_tokenizer(name)
+    return load_tokenizer(resolve_checkpoint(name))
 
 
 def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
     """The policy's ModelConfig without allocating: the checkpoint's config.json with the section's
     dtypes, or a Qwen2-style model sized by the section for random init."""
     if section.checkpoint:
-        return read_hf_config(section.checkpoint, param_dtype=section.param_dtype,
-                              compute_dtype=section.compute_dtype, attention=section.attention)
+        path = resolve_checkpoint(section.checkpoint)
+        read = read_gguf_config if is_gguf(path) else read_hf_config
+        return read(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                    attention=section.attention)
     return ModelConfig(
         model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=section.hidden_size,
         intermediate_size=section.intermediate_size, num_layers=section.num_layers,
@@ -55,7 +58,8 @@ def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
 
 def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
                  layout: Layout | None = None) -> tuple[ModelConfig, Any]:
-    """Loads the HF checkpoint, or random-inits a Qwen2-style model sized by the section.
+    """Loads the checkpoint (a HF directory, a GGUF file or a packaged model's name:
+    `rljax.models.resolve_checkpoint`), or random-inits a Qwen2-style model sized by the section.
 
     With the trainer `layout` the params are born sharded in it (`load_hf` streams each tensor
     into its shards, `init_params` draws each device's shards), so no device holds a whole
@@ -63,8 +67,10 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
     cfg = policy_config(section, tokenizer)
     shardings = layout.params(jax.eval_shape(lambda: init_params(cfg, key))) if layout is not None else None
     if section.checkpoint:
-        return load_hf(section.checkpoint, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
-                       shardings=shardings, attention=section.attention)
+        path = resolve_checkpoint(section.checkpoint)
+        load = load_gguf if is_gguf(path) else load_hf
+        return load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                    shardings=shardings, attention=section.attention)
     return cfg, init_params(cfg, key, shardings=shardings)
 
 
