@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from rljax.errors import RljaxError
+from rljax.quiet import quiet
 
 # One line per subcommand module, in the order `rljax --help` lists them.
 _COMMAND_MODULES = [
@@ -28,6 +29,9 @@ _PREPARE = {"plan": "rljax.plan.command"}
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rljax", description="JAX-native reinforcement learning for language models that reason.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep library notices that are dropped by default (orbax's read-only warnings, "
+                             "XLA's rematerialisation notices); may stand anywhere on the line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -35,7 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verbose = "--verbose" in argv
+    argv = [word for word in argv if word != "--verbose"]  # a global flag, accepted after the command too
+    if verbose:
+        return _main(argv)
+    undo = quiet()
+    try:
+        return _main(argv)
+    finally:
+        undo()
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in _PREPARE and "jax" not in sys.modules:
         importlib.import_module(_PREPARE[argv[0]]).prepare(argv[1:])
     parser = build_parser()

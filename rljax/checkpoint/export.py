@@ -19,6 +19,7 @@ from rljax.errors import CheckpointError
 from rljax.lora import LoraConfig, init_adapters, merged_model, save_peft
 from rljax.models import ModelConfig, init_params, save_hf
 from rljax.storage import as_path, is_remote, upload_tree
+from rljax.tokenizers import Tokenizer
 
 
 def load_lora(directory: str | os.PathLike, step: int | str | None = None
@@ -70,24 +71,34 @@ def _write(out_dir: str | os.PathLike, write) -> None:
         upload_tree(os.path.join(scratch, "model"), out_dir)
 
 
-def export_hf(directory: str | os.PathLike, out_dir: str | os.PathLike, step: int | str | None = None) -> ModelConfig:
+def export_hf(directory: str | os.PathLike, out_dir: str | os.PathLike, step: int | str | None = None, *,
+              tokenizer: Tokenizer | None = None) -> ModelConfig:
     """Write checkpoint `step` as a Hugging Face model (config.json + safetensors) into `out_dir`;
     a LoRA run's adapters are merged into it.
 
-    Tokenizer files are not part of an rljax checkpoint; copy them next to the weights.
+    A checkpoint holds no tokenizer: pass the run's `tokenizer` and its files (`Tokenizer.save`)
+    are written beside the weights, so the directory loads on its own.
     """
     cfg, params = load_params(directory, step)
-    _write(out_dir, lambda path: save_hf(cfg, params, path))
+
+    def write(path):
+        save_hf(cfg, params, path)
+        if tokenizer is not None:
+            tokenizer.save(path)
+
+    _write(out_dir, write)
     return cfg
 
 
 BASE_SUBDIR = "base"
 
 
-def export_peft(directory: str | os.PathLike, out_dir: str | os.PathLike, step: int | str | None = None) -> LoraConfig:
+def export_peft(directory: str | os.PathLike, out_dir: str | os.PathLike, step: int | str | None = None, *,
+                tokenizer: Tokenizer | None = None) -> LoraConfig:
     """Write a LoRA run's checkpoint `step` as a PEFT adapter directory (`adapter_config.json` +
     `adapter_model.safetensors`) in `out_dir`, and the base model it adapts as a HF directory in
-    `out_dir/base` (after a warm start the base is no published checkpoint):
+    `out_dir/base` (after a warm start the base is no published checkpoint), with the run's
+    `tokenizer` in both when given:
 
         base = AutoModelForCausalLM.from_pretrained("out_dir/base")
         model = PeftModel.from_pretrained(base, "out_dir")
@@ -100,6 +111,9 @@ def export_peft(directory: str | os.PathLike, out_dir: str | os.PathLike, step: 
     def write(path):
         save_peft(cfg, adapters, lora, path, base_model=BASE_SUBDIR)
         save_hf(cfg, params, os.path.join(path, BASE_SUBDIR))
+        if tokenizer is not None:
+            tokenizer.save(path)
+            tokenizer.save(os.path.join(path, BASE_SUBDIR))
 
     _write(out_dir, write)
     return lora

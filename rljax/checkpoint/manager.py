@@ -15,7 +15,9 @@ Saving is asynchronous (arrays are copied to host before `save` returns, so the 
 donate them right after). Orbax writes into ``<step>.orbax-checkpoint-tmp`` and renames on
 commit, so a save killed midway is never taken as the latest; leftover tmp dirs are removed
 when a `Checkpointer` opens the directory. The last `keep_last` checkpoints are kept, plus the
-best one by `best_metric` when given. Typed PRNG keys are stored as `jax.random.key_data` plus
+best one by `best_metric` when given. The metric and its mode are written into each step's
+`meta`, so a reader opened without them (`rljax eval`, `rljax export`) still takes "best" to
+mean the run's own best, not the latest. Typed PRNG keys are stored as `jax.random.key_data` plus
 the implementation name and rebuilt with `jax.random.wrap_key_data`, bit for bit.
 
 `directory` may be an object-store URI (``gs://bucket/run/checkpoints``): it reaches orbax as
@@ -116,7 +118,7 @@ class Checkpointer:
         if best_mode not in ("max", "min"):
             raise CheckpointError(f"best_mode={best_mode!r}; choose 'max' or 'min'")
         self.directory = absolute(directory)  # a URI stays whole: os.path would make it a local path
-        self.best_metric = best_metric
+        self.best_metric, self.best_mode = best_metric, best_mode
         policies = [checkpoint_managers.LatestN(n=keep_last)]
         best_fn = None
         if best_metric is not None:
@@ -155,7 +157,8 @@ class Checkpointer:
         items.update({k: ocp.args.JsonSave(dict(v)) for k, v in jsons.items() if v is not None})
         meta = {"format": FORMAT, "step": int(step), "rng": _key_to_json(rng), "items": sorted(items),
                 "model": None if model_config is None else dataclasses.asdict(model_config),
-                "lora": None if lora is None else dataclasses.asdict(lora)}
+                "lora": None if lora is None else dataclasses.asdict(lora),
+                "best": None if self.best_metric is None else {"metric": self.best_metric, "mode": self.best_mode}}
         items["meta"] = ocp.args.JsonSave(meta)
         try:
             self._manager.save(int(step), args=ocp.args.Composite(**items), force=True,
@@ -184,9 +187,37 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def tracked_metric(self) -> tuple[str, str] | None:
+        """(metric, "max" | "min") that ranks the checkpoints: the `best_metric` given here, else the
+        one the run saved in its latest step's meta, else (for runs saved before meta carried it)
+        the one metric every ranked step was saved with; None when the run tracked none."""
+        if self.best_metric is not None:
+            return self.best_metric, self.best_mode
+        if not self.all_steps():
+            return None
+        declared = self.read_meta("latest").get("best")
+        if declared:
+            return declared["metric"], declared["mode"]
+        keys = {tuple(sorted(m)) for m in map(self._manager.metrics, self.all_steps()) if m}
+        return (keys.pop()[0], "max") if len(keys) == 1 and len(next(iter(keys))) == 1 else None
+
+    def metric(self, step: int) -> float | None:
+        """The tracked metric's value saved with checkpoint `step` (None: not tracked or not saved)."""
+        tracked = self.tracked_metric()
+        value = (self._manager.metrics(step) or {}).get(tracked[0]) if tracked else None
+        return None if value is None else float(value)
+
     def best_step(self) -> int | None:
-        """The step with the best `best_metric`; the latest step when no metric is tracked."""
-        return self._manager.best_step()
+        """The step with the best tracked metric (`tracked_metric`); the latest step when the run
+        tracked none. Ties go to the later step."""
+        tracked = self.tracked_metric()
+        if tracked is None:
+            return self.latest_step()
+        ranked = [(v, s) for s in self.all_steps() if (v := self.metric(s)) is not None]
+        if not ranked:
+            return self.latest_step()
+        sign = 1 if tracked[1] == "max" else -1
+        return max(ranked, key=lambda vs: (sign * vs[0], vs[1]))[1]
 
     def _step(self, step: int | str | None) -> int:
         steps = self.all_steps()

@@ -84,12 +84,22 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def not_hf_dir_message(path: str | os.PathLike) -> str:
+    """Why `path` is no HF checkpoint directory, in one line; a training run's directory (it holds
+    `checkpoints/`) gets the command that turns it into one."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        return (f"{path} is an rljax run directory, not a Hugging Face one; write its best checkpoint as one "
+                f"with: rljax export {path} OUT_DIR")
+    return f"{path} has no config.json; pass a Hugging Face checkpoint directory"
+
+
 def read_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     """Reads `config.json` from a HF checkpoint directory into a ModelConfig."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise CheckpointError(f"{path} has no config.json; pass a Hugging Face checkpoint directory")
+        raise CheckpointError(not_hf_dir_message(path))
     return from_hf_dict(json.loads(cfg_file.read_text()), **overrides)
 
 

@@ -1,4 +1,6 @@
-"""`rljax sample`: generate text from a Hugging Face checkpoint directory, streamed as it is drawn."""
+"""`rljax sample`: generate text from a Hugging Face checkpoint directory or a training run's
+directory (its best checkpoint, by the run's own metric, and the tokenizer the run trained with),
+streamed as it is drawn."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import sys
 def register(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a checkpoint (streams by default)")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="HF directory: config.json, *.safetensors and tokenizer files")
+                   help="HF directory (config.json, *.safetensors and tokenizer files, e.g. from rljax export), "
+                        "or a run directory of rljax train (its best checkpoint)")
+    p.add_argument("--step", default="best",
+                   help="with a run directory: checkpoint step, 'best' or 'latest' (default: best)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -33,6 +38,7 @@ def _sample(args) -> int:
     import numpy as np
 
     from rljax import tokenizers
+    from rljax.checkpoint import is_run_dir
     from rljax.errors import CheckpointError, DataError
     from rljax.models import load_hf
     from rljax.sampling import SampleControls, stream
@@ -42,16 +48,21 @@ def _sample(args) -> int:
         raise CheckpointError(f"--checkpoint {args.checkpoint} is remote; copy it here first "
                               f"({copy_locally_hint(args.checkpoint)}) and pass the local directory")
     ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        raise CheckpointError(f"{ckpt} has no config.json; pass a Hugging Face checkpoint directory")
+    run_dir = not (ckpt / "config.json").is_file() and is_run_dir(ckpt)
+    if not run_dir and not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{ckpt} has no config.json (a Hugging Face directory, e.g. written by rljax export) "
+                              "and no checkpoints/ (a run directory of rljax train); pass one of those")
     if not args.prompt:
         raise DataError("--prompt is empty; pass the text to continue")
     controls = SampleControls(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               greedy=args.greedy, scheduler=args.scheduler,
                               slots=args.slots)  # checked before the checkpoint loads
-    cfg, params = load_hf(ckpt)
-    tok = tokenizers.load(ckpt)
+    if run_dir:
+        cfg, params, tok = _from_run(ckpt, args.step)
+    else:
+        cfg, params = load_hf(ckpt)
+        tok = tokenizers.load(ckpt)
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tok.encode(text)
@@ -81,3 +92,20 @@ def _sample(args) -> int:
             print(f"--- sample {i}")
         print(tok.decode(row))
     return 0
+
+
+def _from_run(run_dir, step: str):
+    """(model config, params, tokenizer) of a run directory's checkpoint `step` ("best": by the
+    run's own metric), with the tokenizer the run's config names; the pick goes to stderr."""
+    from rljax import tokenizers
+    from rljax.checkpoint import load_params, open_run, tokenizer_spec
+    from rljax.errors import CheckpointError
+
+    picked = open_run(run_dir, step)
+    spec = tokenizer_spec(picked.config)
+    if spec is None:
+        raise CheckpointError(f"{run_dir}: its checkpoint holds no run config naming a tokenizer; export it with "
+                              f"rljax export {run_dir} OUT_DIR and copy the tokenizer files into OUT_DIR")
+    print(f"sampling from {picked.describe()} of {run_dir}", file=sys.stderr)
+    cfg, params = load_params(picked.checkpoints, picked.step)
+    return cfg, params, tokenizers.load(spec)

@@ -66,6 +66,12 @@ class Tokenizer(abc.ABC):
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
         return [self._encode(t) for t in texts]
 
+    def save(self, directory) -> list[str]:
+        """Writes this tokenizer into `directory` (beside exported weights) in a form
+        `rljax.tokenizers.load` reads back to the same ids; returns the file names written.
+        Each backend says which other loaders read its files."""
+        raise ConfigError(f"{type(self).__name__} cannot be saved; implement save(directory) for it")
+
     def _decode_many(self, batch_ids: list[list[int]], skip_special: bool) -> list[str]:
         return [self._decode(ids, skip_special) for ids in batch_ids]
 

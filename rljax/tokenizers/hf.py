@@ -75,6 +75,17 @@ def config_eos_ids(path: Path) -> list[int]:
     return ids
 
 
+def write_tokenizer_config(path: Path, special_tokens: Mapping[str, str], chat_template: str | None,
+                           **fields: Any) -> None:
+    """`tokenizer_config.json` as transformers and `from_dir` read it: the named special tokens,
+    the chat template (inline, which transformers 4 and 5 both read) and any other `fields`."""
+    config = {**fields, **{n: t for n, t in special_tokens.items() if n in NAMED_SPECIALS}}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                encoding="utf-8")
+
+
 def unique(ids: list[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
@@ -148,6 +159,24 @@ class HFTokenizer(Tokenizer):
             chat_template=chat_template_from_dir(path, config),
             clean_up_spaces=clean,
         )
+
+    def save(self, directory: str | Path) -> list[str]:
+        """`tokenizer.json` (the backend as loaded, added tokens included) and a
+        `tokenizer_config.json`, which `from_dir` and transformers' `AutoTokenizer` both read
+        back to the same ids; eos ids beyond the named eos token go to `generation_config.json`
+        (unless one is there), where `from_dir` found them."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path / "tokenizer.json"))
+        write_tokenizer_config(path, self.special_tokens, self.chat_template,
+                               tokenizer_class="PreTrainedTokenizerFast",
+                               clean_up_tokenization_spaces=self._clean_up_spaces)
+        written = ["tokenizer.json", "tokenizer_config.json"]
+        named_eos = self.backend.token_to_id(self.special_tokens.get("eos_token") or "")
+        if set(self.eos_ids) - {named_eos} and not (path / "generation_config.json").exists():
+            (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(self.eos_ids)}) + "\n")
+            written.append("generation_config.json")
+        return written
 
     def _encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids

@@ -65,6 +65,21 @@ class SentencePieceTokenizer(Tokenizer):
         # ids sentencepiece's decoder silently drops: control symbols (bos/eos/pad)
         self._control = frozenset(i for i in range(self.vocab_size) if sp.is_control(i))
 
+    def save(self, directory: str | Path) -> list[str]:
+        """`tokenizer.model` (the sentencepiece model, byte for byte) + `tokenizer_config.json`
+        (the special tokens and chat template). `rljax.tokenizers.load` reads the directory back
+        to the same ids. transformers has no loader for a bare sentencepiece model: its
+        family's slow tokenizer class reads the file (`LlamaTokenizer.from_pretrained(dir)`,
+        `GemmaTokenizer`, ...), with that family's own pre-processing, so its ids are that
+        class's, not necessarily these."""
+        from rljax.tokenizers.hf import write_tokenizer_config
+
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "tokenizer.model").write_bytes(self.sp.serialized_model_proto())
+        write_tokenizer_config(path, self.special_tokens, self.chat_template)
+        return ["tokenizer.model", "tokenizer_config.json"]
+
     def _encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
 

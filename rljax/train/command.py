@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+def _recipes() -> list[str]:
+    """The packaged recipes' names, read from the package data without importing jax (`--help`)."""
+    from importlib import resources
+
+    return sorted(f.name.removesuffix(".toml") for f in (resources.files("rljax") / "configs").iterdir()
+                  if f.name.endswith(".toml"))
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="run RL training (no arguments: the tiny default job, CPU, ~10 min)",
+    p = sub.add_parser("train", help="run RL training (no arguments: the tiny default job, CPU, about 5 min)",
                        description="Train with a recipe. Override any setting as key=value, "
-                                   "e.g. rl.iterations=20 algorithm.algorithm=dapo.")
-    p.add_argument("--config", help="a TOML recipe (default: configs/default.toml)")
+                                   "e.g. rl.iterations=20 algorithm.algorithm=dapo.",
+                       epilog=f"packaged recipes (--config NAME): {', '.join(_recipes())}")
+    p.add_argument("--config", help="a TOML recipe file, or a packaged recipe by name (default: default)")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.set_defaults(func=_train)
@@ -67,24 +77,18 @@ def _check_memory(cfg) -> None:
 
 
 def _run_config(run_dir: str, step: str):
-    """The run's TrainConfig and the step number that `step` ('best', 'latest' or a number) names.
-    `run_dir` may be a URI (gs://bucket/run): a pod's run is evaluated or exported from its bucket."""
-    from rljax.checkpoint import Checkpointer
+    """The run's TrainConfig and the checkpoint that `step` ('best', 'latest' or a number) names,
+    "best" by the run's own `checkpoint.best_metric` (`rljax.checkpoint.open_run`). `run_dir` may
+    be a URI (gs://bucket/run): a pod's run is evaluated or exported from its bucket."""
+    from rljax.checkpoint import open_run
     from rljax.config_io import build
-    from rljax.errors import CheckpointError, ConfigError
-    from rljax.storage import as_path
+    from rljax.errors import CheckpointError
     from rljax.train.config import TrainConfig
 
-    ckpt_dir = as_path(run_dir) / "checkpoints"
-    if not ckpt_dir.is_dir():
-        raise CheckpointError(f"{run_dir} has no checkpoints/ directory; pass a run directory made by rljax train")
-    if step not in ("best", "latest") and not step.isdigit():
-        raise ConfigError(f"--step {step!r}: pass 'best', 'latest' or a step number")
-    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-        restored = ckpt.restore(step if step in ("best", "latest") else int(step), params=None)
-    if restored.config is None:
-        raise CheckpointError(f"{ckpt_dir}/{restored.step} holds no run config; was it saved by rljax train?")
-    return build(TrainConfig, restored.config), restored.step
+    picked = open_run(run_dir, step)
+    if picked.config is None:
+        raise CheckpointError(f"{picked.checkpoints}/{picked.step} holds no run config; was it saved by rljax train?")
+    return build(TrainConfig, picked.config), picked
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -97,15 +101,20 @@ def _eval(args: argparse.Namespace) -> int:
     from rljax.train import episodes, setup
     from rljax.train.loop import sample_controls
 
-    cfg, step = _run_config(args.run_dir, args.step)
-    model_cfg, params = load_params(f"{args.run_dir}/checkpoints", step)
+    cfg, picked = _run_config(args.run_dir, args.step)
+    step = picked.step
+    print(f"evaluating {picked.describe()} of {args.run_dir}", file=sys.stderr)
+    model_cfg, params = load_params(picked.checkpoints, step)
     tokenizer = setup.build_tokenizer(cfg.model)
     controls = sample_controls(cfg, tokenizer)
     # the training run's held-out problems and reward: per source, routed by task, for a mixture
     evaluator = EvalSetup.build(model_cfg, setup.eval_split(cfg), tokenizer, setup.prompt_format(cfg.data),
                                 setup.run_reward(cfg), controls,
                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
-    result = {"step": step, "problems": len(evaluator.examples), "prompts_too_long": evaluator.num_too_long}
+    result = {"step": step, "picked": picked.picked, "problems": len(evaluator.examples),
+              "prompts_too_long": evaluator.num_too_long}
+    if picked.metric is not None:  # what the run measured at this step, beside what eval measures now
+        result[f"checkpoint/{picked.metric}"] = picked.value
     if cfg.env.enabled:  # greedy episodes with the run's tool; sampled pass@k is single-turn only
         stop = tokenizer.encode(get_format(cfg.env.format).stop_sequence)
         result["greedy_accuracy"] = episodes.episode_accuracy(
@@ -126,13 +135,16 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from rljax.checkpoint import export_hf, export_peft
+    from rljax.train import setup
 
-    _, step = _run_config(args.run_dir, args.step)
+    cfg, picked = _run_config(args.run_dir, args.step)
+    tokenizer = setup.build_tokenizer(cfg.model)
     if args.adapter:
-        lora = export_peft(f"{args.run_dir}/checkpoints", args.out_dir, step)
-        print(f"exported the rank-{lora.rank} LoRA adapter of step {step} of {args.run_dir} to {args.out_dir} "
-              f"(its base model: {args.out_dir}/base)")
+        lora = export_peft(picked.checkpoints, args.out_dir, picked.step, tokenizer=tokenizer)
+        print(f"exported the rank-{lora.rank} LoRA adapter of {picked.describe()} of {args.run_dir} to "
+              f"{args.out_dir} (its base model: {args.out_dir}/base), with its tokenizer")
         return 0
-    export_hf(f"{args.run_dir}/checkpoints", args.out_dir, step)
-    print(f"exported step {step} of {args.run_dir} to {args.out_dir}")
+    export_hf(picked.checkpoints, args.out_dir, picked.step, tokenizer=tokenizer)
+    print(f"exported {picked.describe()} of {args.run_dir} to {args.out_dir}, with its tokenizer "
+          f"({type(tokenizer).__name__}); sample from it: rljax sample --checkpoint {args.out_dir} --prompt ...")
     return 0

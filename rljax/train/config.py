@@ -522,7 +522,8 @@ def recipe_path(path: str | Path | None) -> Path:
     if len(given.parts) == 1 or given.parent.name == "configs":
         if packaged.exists():
             return packaged
-    return given  # load_toml reports the missing file
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"config file {given} does not exist; pass a TOML file or a packaged recipe by name: {names}")
 
 
 # Keys that left `[algorithm]` when it was split by concern; an old recipe gets the new home.

@@ -23,19 +23,15 @@ from rljax.lora import LoraConfig, adapter_shapes, load_peft
 from rljax.models import ModelConfig, init_params, is_gguf, load_gguf, load_hf, read_gguf_config, read_hf_config
 from rljax.models import resolve_checkpoint
 from rljax.sharding import Layout
-from rljax.tokenizers import CharTokenizer, Tokenizer
+from rljax.tokenizers import Tokenizer
 from rljax.tokenizers import load as load_tokenizer
 from rljax.train.config import (DataSection, EnvSection, MeshSection, ModelSection, RewardSection, SourceSection,
                                 TrainConfig)
 
-CHARS_PREFIX = "chars:"
-
 
 def build_tokenizer(section: ModelSection) -> Tokenizer:
-    name = section.tokenizer or section.checkpoint
-    if name.startswith(CHARS_PREFIX):
-        return CharTokenizer(name[len(CHARS_PREFIX):])
-    return load_tokenizer(resolve_checkpoint(name))
+    """`model.tokenizer` (a path, a built-in name or `chars:<alphabet>`), else the checkpoint's."""
+    return load_tokenizer(resolve_checkpoint(section.tokenizer or section.checkpoint))
 
 
 def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
