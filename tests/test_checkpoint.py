@@ -85,6 +85,38 @@ def test_keeps_last_n_plus_best(tmp_path, model):
         assert ckpt.restore("best", params=params).metrics == {"acc": 0.9}
 
 
+@pytest.mark.parametrize("mode,best", [("max", 2), ("min", 3)])
+def test_a_reader_not_told_the_metric_ranks_by_the_runs_own(tmp_path, model, mode, best):
+    """A read-only Checkpointer opened without `best_metric` (what `rljax eval` and `export` open)
+    takes "best" to mean the writer's metric and mode, read from the steps' meta, and reports the
+    value; `open_run` on the run directory picks and describes the same step. A run that tracked
+    no metric falls back to its latest step and says so.
+
+    Catches: orbax's fallback (no best_fn: "best" is the latest step, 4 here), ignoring the
+    writer's mode (min-ranked loss picked as max), and a pick printed without its value."""
+    from rljax.checkpoint import open_run
+
+    _, params, _ = model
+    run = tmp_path / "run"
+    with Checkpointer(run / "checkpoints", keep_last=4, best_metric="loss_or_acc", best_mode=mode) as ckpt:
+        for step, value in {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.6}.items():
+            ckpt.save(step, params=params, metrics={"loss_or_acc": value}, config={"step": step})
+    with Checkpointer(run / "checkpoints", read_only=True) as reader:
+        assert reader.latest_step() == 4 and reader.tracked_metric() == ("loss_or_acc", mode)
+        assert reader.best_step() == best and reader.restore("best", params=None).step == best
+        assert reader.metric(best) == {2: 0.9, 3: 0.1}[best]
+    picked = open_run(run, "best")
+    assert (picked.step, picked.config) == (best, {"step": best})
+    assert picked.describe() == f"step {best} (best loss_or_acc = {picked.value:.4f})"
+
+    untracked = tmp_path / "untracked"
+    with Checkpointer(untracked / "checkpoints", keep_last=4) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, params=params)
+    picked = open_run(untracked, "best")
+    assert picked.step == 2 and picked.describe() == "step 2 (latest; the run tracked no metric to rank by)"
+
+
 def test_mismatched_model_is_one_line_error(tmp_path, model):
     """Restoring into another model, shape or config names the mismatch in one line."""
     cfg, params, opt_state = model

@@ -540,3 +540,95 @@ def test_pad_batch_left_right_length_bucket():
         pad_batch(rows, 0, length=2)
     with pytest.raises(ConfigError):
         pad_batch(rows, 0, side="middle")
+
+
+# ----------------------------------------------------------------------------- saved beside exported weights
+
+
+QWEN2_CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 64}
+
+
+def _same_tokenizer(ours, back, texts):
+    """Ids (with and without bos), decodes both ways, special ids and chat rendering agree."""
+    for text in texts:
+        ids = ours.encode(text, add_bos=True)
+        assert back.encode(text) == ours.encode(text) and back.encode(text, add_bos=True) == ids, text
+        for skip in (True, False):
+            assert back.decode(ids, skip_special=skip) == ours.decode(ids, skip_special=skip), text
+    assert (back.vocab_size, back.bos_id, back.pad_id, back.eos_ids) == (
+        ours.vocab_size, ours.bos_id, ours.pad_id, ours.eos_ids)
+    messages = [{"role": "user", "content": texts[0]}]
+    assert back.apply_chat_template(messages) == ours.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("alphabet", ["0123456789+-= ", "0123456789+-= é×"])
+def test_saved_char_tokenizer_loads_back_in_rljax_and_transformers(alphabet, tmp_path):
+    """`CharTokenizer.save` writes a tokenizer.json that `load` and transformers read to the same
+    ids: an ASCII alphabet through `AutoTokenizer` even beside a qwen2 config.json (transformers 5
+    then forces its byte-level Qwen2 tokenizer class), any alphabet through
+    `PreTrainedTokenizerFast`; transformers' default call adds bos as `add_bos=True` does.
+
+    Catches: a plain (not byte-level) vocabulary under the forced Qwen2 class (spaces vanish:
+    "7 + 4" -> [7, +, 4]), a missing decoder (pieces joined with spaces), specials left out of the
+    added tokens ("<bos>" split into characters), and no bos post-processor."""
+    ours = CharTokenizer(alphabet)
+    texts = ["12+34=46", " 7  - 4 = 3", "<bos>1+1=<eos>", alphabet]
+    assert ours.save(tmp_path) == ["tokenizer.json", "tokenizer_config.json"]
+    _same_tokenizer(ours, load(tmp_path), texts)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_CONFIG))
+    loaders = [transformers.PreTrainedTokenizerFast.from_pretrained]
+    if alphabet.isascii():
+        loaders.append(transformers.AutoTokenizer.from_pretrained)
+    for loader in loaders:
+        hf = loader(tmp_path)
+        for text in texts:
+            assert hf(text, add_special_tokens=False).input_ids == ours.encode(text), (loader, text)
+            assert hf(text).input_ids == ours.encode(text, add_bos=True), (loader, text)
+            ids = ours.encode(text)
+            assert hf.decode(ids, skip_special_tokens=True) == ours.decode(ids), (loader, text)
+
+
+def test_saved_hf_tokenizer_loads_back_with_its_specials_eos_and_template(hf_dirs, tmp_path):
+    """An HF tokenizer (loaded from a save_pretrained directory with a generation_config eos) saved
+    again: `load` and `AutoTokenizer` read the copy to the original's ids, specials, extra eos
+    and chat template. Catches: writing only tokenizer.json (pad and eos fall back to defaults,
+    no chat template) and dropping the generation_config eos (5)."""
+    jinja_dir, _ = hf_dirs
+    ours = load(jinja_dir)
+    written = ours.save(tmp_path)
+    assert written == ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    back = load(tmp_path)
+    _same_tokenizer(ours, back, TEXTS + ["<|im_start|>user\nhi<|im_end|>\n<pad><|eot_id|>"])
+    assert back.eos_ids == ours.eos_ids and 5 in back.eos_ids
+    ref, again = transformers.AutoTokenizer.from_pretrained(jinja_dir), transformers.AutoTokenizer.from_pretrained(
+        tmp_path)
+    for text in TEXTS:
+        assert again.encode(text) == ref.encode(text)
+    assert (again.pad_token_id, again.bos_token_id, again.eos_token_id) == (
+        ref.pad_token_id, ref.bos_token_id, ref.eos_token_id)
+
+
+def test_saved_sentencepiece_tokenizer_loads_back_byte_for_byte(tmp_path):
+    """`SentencePieceTokenizer.save` writes the model byte for byte plus a tokenizer_config.json
+    with the specials and template, and `load` reads the directory back to the same ids, eos and
+    chat rendering. Catches: a re-serialised model that drops user-defined symbols, and a missing
+    config (the `<end_of_turn>` eos and the chat template are lost)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _train_spm(src, user_defined_symbols=["<end_of_turn>", "<start_of_turn>"])
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<end_of_turn>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>"
+                         "{% endfor %}"}))
+    ours = load(src)
+    out = tmp_path / "out"
+    assert ours.save(out) == ["tokenizer.model", "tokenizer_config.json"]
+    assert (out / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+    _same_tokenizer(ours, load(out), TEXTS[:4] + ["a<end_of_turn>"])
+
+
+def test_load_reads_a_character_spec():
+    """`load("chars:...")` is the recipe's `model.tokenizer` spelling; the run directory's readers
+    (`rljax sample RUN`) go through it. Catches: the spec only understood by the training setup."""
+    tok = load("chars:0123456789+= ")
+    assert isinstance(tok, CharTokenizer) and tok.encode("1+1=") == CharTokenizer("0123456789+= ").encode("1+1=")

@@ -105,8 +105,12 @@ def test_split_sections_reach_the_train_state_and_recipes_load_by_name():
 
 
 def test_missing_config_file_is_clear(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    """A recipe that does not exist is one line naming every packaged recipe. Catches: "see
+    configs/ for recipes" (which names none, and a wheel install has no configs/)."""
+    with pytest.raises(ConfigError, match="does not exist") as raised:
         load_config(Path(tmp_path / "nope.toml"))
+    message = str(raised.value)
+    assert "\n" not in message and all(name.removesuffix(".toml") in message for name in RECIPES)
 
 
 def test_a_wheel_install_has_the_recipes(tmp_path):
