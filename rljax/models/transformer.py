@@ -23,17 +23,19 @@ G = N // K, H head dim, F MLP width, V vocab, L layers.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rljax.models.attention import (align_rows, cached_attention, fresh_attention, resolve_attention, roll_rows,
+                                    softcap)
 from rljax.models.config import ModelConfig, rope_inv_freq
 
 Params = dict[str, Any]
 Cache = dict[str, Any]
-_NEG = -1e30
 
 
 # ----------------------------------------------------------------------------- init
@@ -212,66 +214,42 @@ def _matmul_bwd(res, g_mn):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def _softcap(x, cap):
-    return x if cap is None else jnp.tanh(x / cap) * cap
+def _activation(name: str, gate):
+    return jax.nn.silu(gate) if name == "silu" else jax.nn.gelu(gate, approximate=True)
 
 
-def _visible_softmax(logits_bkgts, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
-    """Soft-capped softmax over the keys each query may see (see `attention`), in f32."""
-    logits_bkgts = _softcap(logits_bkgts, cfg.attn_logit_softcap)
-    dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
-    visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
-    visible_bts &= (window == 0) | (dist_bts < window)
-    return jax.nn.softmax(jnp.where(visible_bts[:, None, None], logits_bkgts, _NEG), axis=-1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def gated_activation(gate, up, name: str, saved_dtype):
+    """act(gate) * up in f32 (SwiGLU, Shazeer 2020; GeGLU for Gemma), with a backward that keeps
+    only gate and up, rounded to `saved_dtype` (the compute dtype).
+
+    Autodiff of the same expression saves every intermediate it touches (gate, up, the sigmoid,
+    the activation, its derivative), each f32 [B, T, F]: in a layer scan those are five f32
+    residual stacks of [L, B, T, F], the largest activations of a training step. The backward
+    recomputes the activation and its derivative from the two saved inputs instead. In f32 the
+    gradients are autodiff's; in bf16 compute they use the bf16-rounded gate and up, which are
+    the values bf16 autocast saves for the same layer."""
+    return _activation(name, gate) * up
 
 
-def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
-    """Causal grouped-query attention over key slots: q, k, v in the compute dtype, scores and
-    softmax in f32, the probabilities rounded to v's dtype for the PV product (as FlashAttention
-    does), the output accumulated and returned in f32.
-
-    A key is visible to a query when it is valid (position >= 0), not in the query's future
-    (k_pos <= q_pos) and, for sliding layers, q_pos - k_pos < window. Positions rather than slot
-    indices carry causality, so left padding and caches work without extra bookkeeping.
-    """
-    b, t, n, h = q_btnh.shape
-    kh = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
-                        preferred_element_type=jnp.float32) * cfg.query_scale
-    probs = _visible_softmax(logits, q_pos_bt, k_pos_bs, window, cfg).astype(v_bskh.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, h)
+def _gated_fwd(gate, up, name, saved_dtype):
+    return gated_activation(gate, up, name, saved_dtype), (gate.astype(saved_dtype), up.astype(saved_dtype))
 
 
-# For training: the backward pass recomputes the [B, K, G, T, S] scores and probabilities from q
-# and k instead of storing them for every layer, so the saved activations hold no T^2 tensor per
-# layer (the idea of FlashAttention's backward, Dao et al., 2022). Recomputing costs 2 T^2 H N
-# flops per row, small next to the projections at these lengths; the gradients are bitwise equal.
-_attention_recomputed = jax.checkpoint(attention, static_argnums=(6,))
+def _gated_bwd(name, saved_dtype, residuals, g):
+    gate, up = (x.astype(jnp.float32) for x in residuals)
+    act, act_vjp = jax.vjp(lambda x: _activation(name, x), gate)
+    (d_gate,) = act_vjp(g * up)
+    return d_gate, g * act
 
 
-def cached_attention(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
-    """`attention` over a KV cache that stores keys transposed, [B, K, H, S], and values as
-    [B, K, S, H]: both einsums are then plain row-major batched matmuls over (b, k) (q @ K^T reads
-    keys with slots contiguous), so neither transposes the cache, the big operand, per step.
-    Stored [B, K, S, H], keys would be read transposed by q @ K^T at every step."""
-    b, t, n, h = q_btnh.shape
-    kh = k_bkhs.shape[1]
-    q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
-    logits = jnp.einsum("bkqh,bkhs->bkqs", q_bkqh, k_bkhs,
-                        preferred_element_type=jnp.float32) * cfg.query_scale
-    probs = _visible_softmax(logits.reshape(b, kh, n // kh, t, -1), q_pos_bt, k_pos_bs, window, cfg)
-    probs = probs.astype(v_bksh.dtype).reshape(b, kh, -1, v_bksh.shape[2])
-    out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh, preferred_element_type=jnp.float32)
-    return out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+gated_activation.defvjp(_gated_fwd, _gated_bwd)
 
 
 def _mlp(x_btd, lp, cfg: ModelConfig):
     dt = cfg.compute_jnp_dtype
     gate, up = project(x_btd, lp["gate"], dtype=dt), project(x_btd, lp["up"], dtype=dt)
-    act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return project(act * up, lp["down"], dtype=dt)
+    return project(gated_activation(gate, up, cfg.activation, dt), lp["down"], dtype=dt)
 
 
 def _qkv(x_btd, lp, rope_btih, cfg: ModelConfig):
@@ -369,31 +347,14 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     if positions_bt is None:
         positions_bt = default_positions(attn_mask_bt)
     positions_bt = positions_bt.astype(jnp.int32)
-    h = embed_tokens(cfg, params, tokens_bt)
-    if cfg.scale_embeddings:
-        # Gemma rounds the scale to the compute dtype (as HF does): sqrt(D) in bf16
-        h = h * jnp.asarray(np.sqrt(cfg.hidden_size), dt).astype(jnp.float32)
+    if cache is None:
+        h, _ = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
+                              rope_cos_sin=rope_cos_sin, return_kv=False)
+        return h, None
+    h = _embed(cfg, params, tokens_bt)
     new_pos_bt = jnp.where(attn_mask_bt, positions_bt, -1)
     windows = cfg.layer_windows()
     rope_btih = rope_tables(positions_bt, cfg, rope_cos_sin)
-
-    if cache is None:
-        def attend_fresh(window):
-            def attend(q, k, v):
-                return _attention_recomputed(q, k, v, positions_bt, new_pos_bt, window, cfg), None
-            return attend
-
-        def scan_body(h, xs):
-            lp, window = xs
-            h, _ = _block(h, lp, attend_fresh(window), rope_btih, cfg)
-            return h, None
-
-        body = jax.checkpoint(scan_body) if remat else scan_body
-        layers = params["layers"]
-        if isinstance(layers, (list, tuple)):
-            layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
-        h, _ = jax.lax.scan(body, h, (layers, jnp.asarray(windows, jnp.int32)), unroll=bool(unroll))
-        return rms_norm(h, params["final_norm"], cfg).astype(dt), None
 
     if kv_attend is not None:  # the caller stores and reads keys (see the docstring)
         new_layers = []
@@ -426,6 +387,68 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache
 
 
+def _embed(cfg: ModelConfig, params: Params, tokens_bt):
+    h = embed_tokens(cfg, params, tokens_bt)
+    if cfg.scale_embeddings:
+        # Gemma rounds the scale to the compute dtype (as HF does): sqrt(D) in bf16
+        h = h * jnp.asarray(np.sqrt(cfg.hidden_size), cfg.compute_jnp_dtype).astype(jnp.float32)
+    return h
+
+
+def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, attn_mask_bt, *, remat: bool,
+                   unroll: bool, rope_cos_sin, return_kv: bool):
+    """The cache-free forward: every layer in one `lax.scan`, attention by `resolve_attention`.
+
+    For cuDNN, whose mask is per-row lengths, the rows are rolled left once so each row's real
+    tokens start at slot 0 (`rljax.models.attention` explains the contract), and the outputs are
+    rolled back, so callers see their own slot order. Returns the final-normed hidden states and,
+    with `return_kv`, each layer's keys and values stacked, [L, B, T, K, H] in the compute dtype."""
+    dt = cfg.compute_jnp_dtype
+    impl = resolve_attention(cfg)
+    shift_b, lengths_b = align_rows(attn_mask_bt)
+    if impl == "cudnn":
+        tokens_bt, positions_bt, attn_mask_bt = (roll_rows(x, shift_b) for x in (tokens_bt, positions_bt, attn_mask_bt))
+    rows = {"q_pos_bt": positions_bt, "k_pos_bt": jnp.where(attn_mask_bt, positions_bt, -1),
+            "lengths_b": lengths_b, "valid_bt": attn_mask_bt}
+    rope_btih = rope_tables(positions_bt, cfg, rope_cos_sin)
+    windows = cfg.layer_windows()
+    attend_layer = fresh_attention(impl, windows, cfg)
+
+    def scan_body(h, xs):
+        lp, window = xs
+        attend = lambda q, k, v: (attend_layer(q, k, v, window, rows), (k, v) if return_kv else None)
+        return _block(h, lp, attend, rope_btih, cfg)
+
+    body = jax.checkpoint(scan_body) if remat else scan_body
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+    h, kv = jax.lax.scan(body, _embed(cfg, params, tokens_bt), (layers, jnp.asarray(windows, jnp.int32)),
+                         unroll=bool(unroll))
+    h = rms_norm(h, params["final_norm"], cfg).astype(dt)
+    if impl == "cudnn":
+        h = roll_rows(h, -shift_b)
+        if return_kv:
+            kv = jax.tree.map(lambda x_lbt: jax.vmap(roll_rows, in_axes=(0, None))(x_lbt, -shift_b), kv)
+    return h, kv
+
+
+def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, positions_bt=None):
+    """A prompt's forward pass through the cache-free path (so its attention is the fused kernel
+    where one serves), returning (hidden states [B, P, D], a KV cache of exactly P slots holding
+    its keys and values, index P): what `hidden_states` with an empty P-slot cache returns, with
+    the attention of the training forward instead of `cached_attention`."""
+    b, p = tokens_bt.shape
+    attn_mask_bt = attn_mask_bt.astype(bool)
+    positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt.astype(jnp.int32)
+    h, (k_lbtkh, v_lbtkh) = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=False,
+                                           unroll=False, rope_cos_sin=None, return_kv=True)
+    layers = tuple({"k": k_lbtkh[i].transpose(0, 2, 3, 1), "v": v_lbtkh[i].transpose(0, 2, 1, 3)}
+                   for i in range(cfg.num_layers))
+    cache = {"layers": layers, "pos": jnp.where(attn_mask_bt, positions_bt, -1), "index": jnp.asarray(p, jnp.int32)}
+    return h, cache
+
+
 def _cache_writer(index):
     """fn(buffer, update, slot_axis): `update` written into `buffer` at slot `index` (scalar) or at
     each row's own slot (`index` [B])."""
@@ -453,7 +476,7 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h_btd):
     b, t, d = h_btd.shape
     logits = jax.lax.dot_general(h_btd.reshape(b * t, d), w_vd.astype(h_btd.dtype), (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32).reshape(b, t, -1)
-    return _softcap(logits, cfg.final_logit_softcap)
+    return softcap(logits, cfg.final_logit_softcap)
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,

@@ -22,13 +22,18 @@ row's tokens depend on its own key, prompt and index only: not on the batch arou
 when a scheduler decodes it. The continuous scheduler (`rljax.sampling.continuous`) reuses `draw`
 and `stop_flags` and so gives the same tokens as this static loop.
 
-Phases. Decode attention reads every cache slot every step, and that read (not the weight
-matmuls) is the part of a step that grows with the cache. So the cache starts with room for 16
-new tokens and doubles (16, 32, 64, ... up to the new-token bucket): decode runs as one
-`while_loop` per width, each attending only over the slots that can be filled by then, and the
-cache is padded between phases. That is at most log2(bucket / 16) + 1 compiled loops per
-bucket, and the average step reads about 3/4 of the slots a full-width cache would (see
-`phase_widths`). `bench/bench_sampling.py` measures the effect (BENCHMARKS.md).
+Phases. Decode attention reads every cache slot every step, and on the CPU (einsum attention)
+that read, not the weight matmuls, is the part of a step that grows with the cache. So the cache
+can start narrower and grow: `spec.decode_phases` = k runs decode as k `while_loop`s over new-token
+widths N / 2^(k-1), ..., N / 2, N (N the new-token bucket, each width >= 16; `phase_widths`), each
+attending only over the slots that can be filled by then, with the cache padded between them.
+An average step then reads about (2/3 + 1/(3 * 4^(k-1))) N new slots instead of N: 3/4 at k = 2,
+0.69 at k = 3, 2/3 as k grows (doubling from 16 is the limit). Each loop is its own body for
+XLA to compile, so compile time grows with k while the read saved shrinks: k = 1 (one loop over
+the full width, positions -1 masked) is the default where decode attention reads only each row's
+own length (an accelerator's decode kernel), and a small k where it reads every slot (the CPU).
+`rljax.sampling.controls` picks k per backend; BENCHMARKS.md has the measurements. Whatever k,
+`generate` runs prefill, every phase and the result as ONE compiled program (`sample_static`).
 
 Rows are prompt-major: row i * n + j is sample j of prompt i.
 """
@@ -42,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.models import CACHE_SLOT_AXIS, ModelConfig, default_positions, forward, hidden_states, init_cache
+from rljax.models import CACHE_SLOT_AXIS, ModelConfig, forward, prefill_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
@@ -60,14 +65,23 @@ def bucket_length(n: int) -> int:
     return pad_bucket_length(int(n), MIN_BUCKET)
 
 
-def phase_widths(new_bucket: int, max_new_tokens: int | None = None) -> tuple[int, ...]:
-    """New-token cache widths of the decode phases: 16, 32, 64, ... up to `new_bucket` (a power of
-    two >= 16), stopping at the first width that holds `max_new_tokens` when it is given. Phase i
-    draws tokens up to index widths[i] - 1 with a cache of P + widths[i] slots."""
-    widths = [min(MIN_BUCKET, new_bucket)]
-    while widths[-1] < new_bucket and (max_new_tokens is None or widths[-1] < max_new_tokens):
-        widths.append(min(2 * widths[-1], new_bucket))
+def phase_widths(new_bucket: int, max_new_tokens: int | None = None, *, phases: int = 1) -> tuple[int, ...]:
+    """New-token cache widths of `phases` decode phases: new_bucket / 2^(phases-1), ..., new_bucket
+    / 2, new_bucket (`new_bucket` a power of two >= 16; widths below 16 are raised to 16 and
+    repeats dropped), stopping at the first width that holds `max_new_tokens` when it is given.
+    Phase i draws tokens up to index widths[i] - 1 with a cache of P + widths[i] slots."""
+    widths = sorted({max(new_bucket >> i, min(MIN_BUCKET, new_bucket)) for i in range(max(phases, 1))})
+    if max_new_tokens is not None:
+        widths = widths[:next(i for i, w in enumerate(widths) if w >= max_new_tokens or w == new_bucket) + 1]
     return tuple(widths)
+
+
+def decode_widths(spec: StaticControls, new_bucket: int, max_new_tokens: int | None = None) -> tuple[int, ...]:
+    """The cache widths the static loop decodes with: `spec.decode_phases` phases, or the full
+    width alone in batch-invariant mode (a row's softmax then spans the same slots whatever the
+    scheduler, so its bits do not depend on it)."""
+    phases = 1 if spec.batch_invariant else spec.decode_phases
+    return phase_widths(new_bucket, max_new_tokens, phases=phases)
 
 
 @flax.struct.dataclass
@@ -218,26 +232,26 @@ def prompt_forward(cfg: ModelConfig, params, prompt_bt, mask_bt, *, batch_invari
     if batch_invariant:
         cache, logits_bv = one_row_at_a_time(lambda t, m: prompt_forward(cfg, params, t, m), prompt_bt, mask_bt)
         return dict(cache, index=jnp.asarray(prompt_bt.shape[1], jnp.int32)), logits_bv
-    b, p = prompt_bt.shape
-    positions_bt = default_positions(mask_bt)
-    h_btd, cache = hidden_states(cfg, params, prompt_bt, positions_bt, mask_bt, init_cache(cfg, b, p))
+    p = prompt_bt.shape[1]
+    h_btd, cache = prefill_cache(cfg, params, prompt_bt, mask_bt)
     last_b = p - 1 - jnp.argmax(jnp.flip(mask_bt, axis=1), axis=1)  # last real token (any padding)
     h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
     return cache, logits_from_hidden(cfg, params, h_b1d)[:, 0]
 
 
 def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars, *, spec: StaticControls,
-            num_samples: int, new_bucket: int) -> DecodeState:
+            num_samples: int, new_bucket: int, rows=None) -> DecodeState:
     """Prefills B prompts once, broadcasts the cache to B * n rows and draws token 0.
 
     `max_new` (int32) and `scalars` (temperature, top_p, min_p) are traced; `new_bucket` sizes the
-    token buffers."""
+    token buffers. `rows` (traced int32), when given, is the number of real rows: the rows after
+    it (padding prompts, so that a batch bucket compiles once) start stopped and draw nothing."""
     b, p = prompt_bt.shape
     bn = b * num_samples
     cache, logits_bv = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant)
 
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
-    cache = pad_slots(cache, new_bucket if spec.batch_invariant else phase_widths(new_bucket)[0])  # the first phase
+    cache = pad_slots(cache, decode_widths(spec, new_bucket)[0])  # the first phase
     window = max([len(s) for s in spec.stop_sequences], default=1)
     state = DecodeState(
         cache=cache,
@@ -246,7 +260,7 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
         tokens_bn=jnp.full((bn, new_bucket), spec.pad_id, jnp.int32),
         logp_bn=jnp.zeros((bn, new_bucket), jnp.float32),
         sampling_logp_bn=jnp.zeros((bn, new_bucket), jnp.float32),
-        done_b=jnp.zeros((bn,), bool),
+        done_b=jnp.zeros((bn,), bool) if rows is None else jnp.arange(bn) >= rows,
         length_b=jnp.zeros((bn,), jnp.int32),
         finish_b=jnp.full((bn,), FINISH_LENGTH, jnp.int32),
         window_bl=jnp.full((bn, window), -1, jnp.int32),
@@ -305,12 +319,23 @@ def to_result(state: DecodeState, *, width: int) -> SampleResult:
 
 
 def decode_phases(cfg: ModelConfig, params, state: DecodeState, *, spec: StaticControls, new_bucket: int,
-                  max_new_tokens: int, decode=decode, widen=widen) -> DecodeState:
+                  max_new_tokens: int | None = None, decode=decode, widen=widen) -> DecodeState:
     """Runs every decode phase (see the module docstring): decode to the cache's width, widen, go
-    on. Traceable; `generate` passes jitted `decode` and `widen` instead."""
-    widths = (new_bucket,) if spec.batch_invariant else phase_widths(new_bucket, max_new_tokens)
+    on. Traceable; `max_new_tokens`, when known statically, drops the phases it cannot reach."""
+    widths = decode_widths(spec, new_bucket, max_new_tokens)
     for i, width in enumerate(widths):
         if i:
             state = widen(state, width - widths[i - 1])
-        state = decode(cfg, params, state, np.int32(min(width, max_new_tokens)), spec=spec)
+        state = decode(cfg, params, state, np.int32(width), spec=spec)
     return state
+
+
+def sample_static(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars, rows, *,
+                  spec: StaticControls, num_samples: int, new_bucket: int) -> SampleResult:
+    """The static scheduler as one traceable function: prefill, every decode phase and the result
+    at the bucket's width (`max_new` and the number of real `rows` are traced, so one compile
+    serves a batch bucket and a length bucket; trim with `rljax.sampling.continuous.trim`)."""
+    params = unstack_layers(params)  # once, for the prefill and every decode phase
+    state = prefill(cfg, params, prompt_bt, mask_bt, key, max_new, scalars, spec=spec, num_samples=num_samples,
+                    new_bucket=new_bucket, rows=rows)
+    return to_result(decode_phases(cfg, params, state, spec=spec, new_bucket=new_bucket), width=new_bucket)

@@ -1,0 +1,253 @@
+"""Attention: the einsum reference, and the field's fused kernels behind one choice.
+
+`model.attention` picks the implementation of full-sequence attention (training, scoring and
+the sampler's prefill); `resolve_attention` turns "auto" into the backend's kernel:
+
+    xla     the einsum reference below: any mask, soft-capping, windows, f32 or bf16. The tested
+            reference for every other path, and the CPU's choice.
+    cudnn   `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash
+            attention on NVIDIA GPUs (bf16/fp16 operands only; no logit soft-capping).
+    splash  JAX's Pallas splash-attention kernel for TPU (`jax.experimental.pallas.ops.tpu.
+            splash_attention`), soft-capping and windows included.
+
+Why a fused kernel: the reference materialises f32 [B, K, G, T, S] scores and probabilities per
+layer (and the backward recomputes them); a flash kernel (Dao et al., 2022; FlashAttention-2,
+Dao, 2023) streams key blocks through an online softmax and never holds T x S in memory.
+
+How padding reaches the kernels. Our rows carry validity and order as positions (`k_pos < 0`
+marks padding; causality is `k_pos <= q_pos`), which any mask expresses but a kernel does not
+take. Rollout rows are a left-padded prompt followed by a right-padded completion: the real
+tokens of a row are contiguous, with consecutive positions. So:
+- cuDNN takes per-row sequence lengths (its PADDING_CAUSAL mask: keys [0, len) of each row).
+  `hidden_states` rolls each row left once, before the first layer, so its real tokens start at
+  slot 0 (`align_rows`), runs every layer on the aligned rows, and rolls the outputs back.
+- splash takes segment ids: real tokens are segment 1, padding segment 0, with its causal mask
+  in slot order (no roll). A padding query sees itself, so no softmax row is empty.
+Both need each row's real tokens contiguous with consecutive positions; rows with holes (a mask
+that is False between real tokens) or jumps in position need "xla", the only path that reads
+positions directly. Soft-capping: splash applies it, cuDNN cannot, so "auto" keeps Gemma 2 on
+XLA on a GPU and "cudnn" refuses it. Sliding windows: both kernels take a left window of
+`window - 1` keys (q_pos - k_pos < window).
+
+The KV-cached path (decode steps, multi-turn appends) stays on `cached_attention`: one query
+row per step over the cache, in the cache's transposed key layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.errors import ConfigError
+from rljax.models.config import ModelConfig
+
+_NEG = -1e30
+_SPLASH_BLOCK = 128  # splash's block (its minimum: a multiple of 128 lanes); time is padded to it
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def cudnn_unsupported(cfg: ModelConfig) -> str | None:
+    """Why cuDNN's fused attention cannot serve `cfg` (None when it can): it runs bf16 or fp16
+    operands, head dims up to 256 in multiples of 8, and applies no logit soft-cap."""
+    if cfg.compute_dtype not in ("bfloat16", "float16"):
+        return f"cuDNN fused attention needs bf16/fp16 compute (model.compute_dtype={cfg.compute_dtype!r})"
+    if cfg.head_dim > 256 or cfg.head_dim % 8:
+        return f"cuDNN fused attention needs head_dim <= 256 and a multiple of 8 (got {cfg.head_dim})"
+    if cfg.attn_logit_softcap is not None:
+        return "cuDNN fused attention has no attention-logit soft-cap (Gemma 2)"
+    return None
+
+
+def resolve_attention(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The implementation full-sequence attention runs with: `cfg.attention`, or for "auto" the
+    backend's kernel where it serves the model (cuDNN on GPU, splash on TPU), else "xla".
+
+    An explicit "cudnn" that cannot serve the model is a ConfigError naming why; "cudnn" or
+    "splash" on another backend runs as asked (a test lowers the cuDNN program on a CPU host)."""
+    platform = platform or jax.default_backend()
+    if cfg.attention == "auto":
+        if platform in ("gpu", "cuda") and cudnn_unsupported(cfg) is None:
+            return "cudnn"
+        return "splash" if platform == "tpu" else "xla"
+    if cfg.attention == "cudnn" and (why := cudnn_unsupported(cfg)):
+        raise ConfigError(f"model.attention='cudnn': {why}; use 'auto' or 'xla'")
+    return cfg.attention
+
+
+def describe_attention(cfg: ModelConfig, platform: str | None = None) -> str:
+    """One line for the run log: the implementation chosen, and why when "auto" fell back."""
+    platform = platform or jax.default_backend()
+    impl = resolve_attention(cfg, platform)
+    line = f"attention: {impl} (model.attention={cfg.attention!r}, backend {platform})"
+    if cfg.attention == "auto" and impl == "xla" and platform in ("gpu", "cuda"):
+        line += f"; {cudnn_unsupported(cfg)}"
+    return line
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def softcap(x, cap):
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def _visible_softmax(logits_bkgts, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+    """Soft-capped softmax over the keys each query may see (see `attention`), in f32."""
+    logits_bkgts = softcap(logits_bkgts, cfg.attn_logit_softcap)
+    dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
+    visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
+    visible_bts &= (window == 0) | (dist_bts < window)
+    return jax.nn.softmax(jnp.where(visible_bts[:, None, None], logits_bkgts, _NEG), axis=-1)
+
+
+def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+    """Causal grouped-query attention over key slots: q, k, v in the compute dtype, scores and
+    softmax in f32, the probabilities rounded to v's dtype for the PV product (as FlashAttention
+    does), the output accumulated and returned in f32.
+
+    A key is visible to a query when it is valid (position >= 0), not in the query's future
+    (k_pos <= q_pos) and, for sliding layers, q_pos - k_pos < window. Positions rather than slot
+    indices carry causality, so left padding and caches work without extra bookkeeping.
+    """
+    b, t, n, h = q_btnh.shape
+    kh = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
+                        preferred_element_type=jnp.float32) * cfg.query_scale
+    probs = _visible_softmax(logits, q_pos_bt, k_pos_bs, window, cfg).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h)
+
+
+# For training: the backward pass recomputes the [B, K, G, T, S] scores and probabilities from q
+# and k instead of storing them for every layer, so the saved activations hold no T^2 tensor per
+# layer (the idea of FlashAttention's backward, Dao et al., 2022). Recomputing costs 2 T^2 H N
+# flops per row, small next to the projections at these lengths; the gradients are bitwise equal.
+attention_recomputed = jax.checkpoint(attention, static_argnums=(6,))
+
+
+def cached_attention(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+    """`attention` over a KV cache that stores keys transposed, [B, K, H, S], and values as
+    [B, K, S, H]: both einsums are then plain row-major batched matmuls over (b, k) (q @ K^T reads
+    keys with slots contiguous), so neither transposes the cache, the big operand, per step.
+    Stored [B, K, S, H], keys would be read transposed by q @ K^T at every step."""
+    b, t, n, h = q_btnh.shape
+    kh = k_bkhs.shape[1]
+    q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
+    logits = jnp.einsum("bkqh,bkhs->bkqs", q_bkqh, k_bkhs,
+                        preferred_element_type=jnp.float32) * cfg.query_scale
+    probs = _visible_softmax(logits.reshape(b, kh, n // kh, t, -1), q_pos_bt, k_pos_bs, window, cfg)
+    probs = probs.astype(v_bksh.dtype).reshape(b, kh, -1, v_bksh.shape[2])
+    out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh, preferred_element_type=jnp.float32)
+    return out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+# ----------------------------------------------------------------------------- row alignment
+
+
+def align_rows(valid_bt):
+    """(shift_b, lengths_b) that left-align each row: rolling a row left by its shift puts its
+    real tokens at slots [0, length). The shift is the index of the first real token (0 for a row
+    with none)."""
+    valid_bt = valid_bt.astype(bool)
+    return jnp.argmax(valid_bt, axis=1).astype(jnp.int32), jnp.sum(valid_bt, axis=1, dtype=jnp.int32)
+
+
+def roll_rows(x_bt, shift_b):
+    """Row b of `x_bt` rolled left by shift_b[b] along axis 1 (negative: right); any trailing
+    axes ride along. One gather; its transpose (for the backward) is the opposite roll."""
+    t = x_bt.shape[1]
+    idx_bt = (jnp.arange(t, dtype=jnp.int32)[None, :] + shift_b[:, None]) % t
+    idx = idx_bt.reshape(idx_bt.shape + (1,) * (x_bt.ndim - 2))
+    return jnp.take_along_axis(x_bt, idx, axis=1)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+def cudnn_attention(q_btnh, k_btkh, v_btkh, lengths_b, window: int, cfg: ModelConfig, *,
+                    implementation: str = "cudnn"):
+    """Causal attention over left-aligned rows through `jax.nn.dot_product_attention`: keys and
+    queries [0, lengths_b) of each row are real (cuDNN's PADDING_CAUSAL mask), `window` > 0 a
+    left window of window - 1 keys. Returns f32 [B, T, N, H] like `attention` (cuDNN writes
+    the compute dtype; the output projection rounds to it anyway).
+
+    `implementation="xla"` runs the same call through JAX's XLA implementation of the API: how
+    the tests check this wrapper's masks on a CPU."""
+    out = jax.nn.dot_product_attention(
+        q_btnh, k_btkh, v_btkh, scale=cfg.query_scale, is_causal=True, query_seq_lengths=lengths_b,
+        key_value_seq_lengths=lengths_b, local_window_size=(window - 1, 0) if window else None,
+        implementation=implementation)
+    return out.astype(jnp.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(num_heads: int, time: int, window: int, cap, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    shape = (time, time)
+    head = sm.LocalMask(shape, (window - 1, 0), offset=0) if window else sm.CausalMask(shape)
+    block = _SPLASH_BLOCK
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    with jax.ensure_compile_time_eval():  # its mask tables are constants, built once, outside any trace
+        return sk.make_splash_mha(sm.MultiHeadMask([head] * num_heads), block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=1, attn_logits_soft_cap=cap, interpret=interpret)
+
+
+def splash_attention(q_btnh, k_btkh, v_btkh, valid_bt, window: int, cfg: ModelConfig, *,
+                     interpret: bool | None = None):
+    """Causal attention through the Pallas splash kernel, one row at a time (vmap over B):
+    segment ids keep real tokens (1) and padding (0) apart, the causal or local mask is in slot
+    order, soft-capping is the kernel's. Queries are pre-scaled (the kernel does not scale), the
+    time axis is padded to the kernel's block (padding is segment 0). Returns f32 [B, T, N, H].
+
+    `interpret` (default: off on TPU, on elsewhere) runs the kernel in Pallas interpret mode, how
+    the tests run it on a CPU."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    b, t, n, h = q_btnh.shape
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    pad = (-t) % _SPLASH_BLOCK
+    tp = t + pad
+    seg_bt = jnp.pad(valid_bt.astype(jnp.int32), ((0, 0), (0, pad)))
+    q = (q_btnh.astype(jnp.float32) * cfg.query_scale).astype(q_btnh.dtype)
+    to_heads = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, heads, T, H]
+    kernel = _splash_kernel(n, tp, int(window), cfg.attn_logit_softcap, bool(interpret))
+    row = lambda q_nth, k_kth, v_kth, seg_t: kernel(q_nth, k_kth, v_kth, segment_ids=sk.SegmentIds(q=seg_t, kv=seg_t))
+    out_bnth = jax.vmap(row)(to_heads(q), to_heads(k_btkh), to_heads(v_btkh), seg_bt)
+    return out_bnth.transpose(0, 2, 1, 3)[:, :t].astype(jnp.float32)
+
+
+def fresh_attention(impl: str, windows: tuple[int, ...], cfg: ModelConfig):
+    """attend(q, k, v, window_index, rows) for one layer of a full-sequence forward, with `rows`
+    the `hidden_states` row description (positions, key positions, lengths, validity). A kernel
+    takes a static window, so where layers differ (Gemma 2's local and global layers, scanned
+    with the window as data) the layer switches between one kernel per distinct window."""
+    distinct = tuple(sorted(set(windows)))
+
+    def one(window: int):
+        def run(q, k, v, rows):
+            if impl == "cudnn":
+                return cudnn_attention(q, k, v, rows["lengths_b"], window, cfg)
+            if impl == "splash":
+                return splash_attention(q, k, v, rows["valid_bt"], window, cfg)
+            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window, cfg)
+        return run
+
+    def attend(q, k, v, window_index, rows):
+        if impl == "xla":  # the reference takes the window as data: one program for every layer
+            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window_index, cfg)
+        if len(distinct) == 1:
+            return one(distinct[0])(q, k, v, rows)
+        branch = jnp.searchsorted(jnp.asarray(distinct, jnp.int32), window_index)
+        return jax.lax.switch(branch, [one(w) for w in distinct], q, k, v, rows)
+
+    return attend
+

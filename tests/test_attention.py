@@ -1,0 +1,221 @@
+"""Fused attention paths against the einsum reference (rljax.models.attention).
+
+On a CPU, cuDNN cannot run: its path is checked twice over. (1) The wrapper's masks, row
+alignment and windows run through JAX's XLA implementation of the same `dot_product_attention`
+call (`implementation="xla"`, same arguments), against our einsum reference, forward and
+gradients. (2) The update step and the prefill lowered for the `cuda` platform contain cuDNN's
+fused-attention custom call and no [B, heads, T, T] f32 buffer. The splash kernel runs in Pallas
+interpret mode. Ragged left padding, right padding, grouped heads, windows and soft-capping are
+covered."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rljax.models.attention as attn_mod
+from rljax.errors import ConfigError
+from rljax.models import init_params, preset, token_logprobs
+from rljax.models.attention import (align_rows, attention, cudnn_attention, describe_attention, resolve_attention,
+                                    roll_rows)
+from rljax.models.transformer import hidden_states, init_cache, prefill_cache
+
+
+def _ragged(b=4, t=24, seed=0):
+    """Rows: a left-padded prompt and a right-padded completion, one row with no padding and one
+    with a single real token."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((b, t), bool)
+    spans = [(3, 20), (0, t), (7, 8), (1, 15)][:b]
+    for i, (lo, hi) in enumerate(spans):
+        mask[i, lo:hi] = True
+    tokens = rng.integers(0, 128, (b, t))
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)
+
+
+def _qkv(dtype, b=4, t=24, n=4, k=2, h=16, seed=1):
+    rng = np.random.default_rng(seed)
+    make = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32).astype(dtype)
+    return make(b, t, n, h), make(b, t, k, h), make(b, t, k, h)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_cudnn_call_on_aligned_rows_equals_the_reference(window, dtype, tol):
+    """The cuDNN call's form (left-aligned rows, per-row lengths, causal, a left window of
+    window - 1 keys), run by JAX's XLA implementation, equals the einsum reference on every real
+    query, forward and the gradients of q, k and v, with grouped heads (4 query, 2 kv).
+
+    Catches: a roll in the wrong direction or by the wrong amount, lengths counting padding,
+    a window off by one (window instead of window - 1), a missing causal flag. bf16: 2e-2 is the
+    bf16 rounding of the outputs (the reference keeps f32 outputs, the call returns bf16)."""
+    cfg = preset("qwen2-test", sliding_window=window or None)
+    _, mask = _ragged()
+    q, k, v = _qkv(dtype)
+    pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    kpos = jnp.where(mask, pos, -1)
+    shift, lengths = align_rows(mask)
+    g = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32) * mask[:, :, None, None]
+
+    def ref(q, k, v):
+        return jnp.sum(attention(q, k, v, pos, kpos, window, cfg) * g)
+
+    def fused(q, k, v):
+        roll = lambda x: roll_rows(x, shift)
+        out = cudnn_attention(roll(q), roll(k), roll(v), lengths, window, cfg, implementation="xla")
+        return jnp.sum(roll_rows(out, -shift) * g)
+
+    out_ref = attention(q, k, v, pos, kpos, window, cfg)
+    roll = lambda x: roll_rows(x, shift)
+    out = roll_rows(cudnn_attention(roll(q), roll(k), roll(v), lengths, window, cfg, implementation="xla"), -shift)
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(out)[m], np.asarray(out_ref)[m], atol=tol, rtol=tol)
+    for a, b in zip(jax.grad(fused, argnums=(0, 1, 2))(q, k, v), jax.grad(ref, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a, np.float32)[m], np.asarray(b, np.float32)[m], atol=tol, rtol=tol)
+
+
+@pytest.fixture
+def xla_for_cudnn(monkeypatch):
+    """`model.attention = "cudnn"` with the call run by JAX's XLA implementation (a CPU has no cuDNN)."""
+    real = attn_mod.cudnn_attention
+    monkeypatch.setattr(attn_mod, "cudnn_attention",
+                        lambda *a, **kw: real(*a, **{**kw, "implementation": "xla"}))
+
+
+def _model(attention: str, **kw):
+    base = dict(compute_dtype="bfloat16") if attention == "cudnn" else {}
+    cfg = preset("qwen2-test", attention=attention, **{**base, **kw})
+    return cfg, init_params(cfg.replace(attention="xla"), jax.random.key(0))
+
+
+@pytest.mark.parametrize("attention,kw", [
+    ("cudnn", {}),
+    ("splash", {}),
+    ("splash", dict(sliding_window=6, sliding_window_pattern=2, attn_logit_softcap=5.0)),  # Gemma 2's layers
+])
+def test_model_with_a_fused_path_equals_the_reference(attention, kw, xla_for_cudnn):
+    """The whole model (scanned layers, rolls, per-layer window switch) with a fused attention path
+    gives the log-probs and parameter gradients of `attention="xla"` on ragged rows. f32: 1e-5.
+    cuDNN runs bf16 (its only dtypes): compared with the bf16 reference model at 2e-2.
+
+    Catches: outputs not rolled back (log-probs land on the wrong tokens), the window switch
+    picking the wrong kernel per layer, soft-capping dropped on the splash path."""
+    cfg, params = _model(attention, **kw)
+    ref_cfg = cfg.replace(attention="xla")
+    tokens, mask = _ragged()
+    tol = 2e-2 if cfg.compute_dtype == "bfloat16" else 1e-5
+
+    m = np.zeros(mask.shape, bool)  # tokens scored from a real prefix (what a loss ever reads)
+    m[:, 1:] = np.asarray(mask[:, 1:] & mask[:, :-1])
+
+    def loss(params, cfg):
+        logp, _ = token_logprobs(cfg, params, tokens, mask)
+        return jnp.sum(logp * m), logp
+
+    (_, logp), grads = jax.value_and_grad(loss, has_aux=True)(params, cfg)
+    (_, logp_ref), grads_ref = jax.value_and_grad(loss, has_aux=True)(params, ref_cfg)
+    np.testing.assert_allclose(np.asarray(logp)[m], np.asarray(logp_ref)[m], atol=tol, rtol=tol)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_ref)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        scale = max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, atol=tol * scale, rtol=tol, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "splash"])
+def test_prefill_cache_equals_the_cached_forward(attention, xla_for_cudnn):
+    """`prefill_cache` (the fused path) returns the hidden states and KV cache of the cached
+    forward over an empty P-slot cache, on left-padded prompts: keys, values and positions in
+    the cache's own slot order (not rolled). Catches a cache built from the aligned (rolled) rows."""
+    cfg, params = _model(attention)
+    tokens, mask = _ragged()
+    mask = mask.at[:, 20:].set(False)  # prompts: left padding only
+    mask = jnp.asarray(np.asarray(mask) | (np.arange(24) >= np.argmax(np.asarray(mask), 1)[:, None]) & (np.arange(24) < 20))
+    h, cache = prefill_cache(cfg, params, tokens, mask)
+    ref_cfg = cfg.replace(attention="xla")
+    h_ref, cache_ref = hidden_states(ref_cfg, params, tokens, None, mask, init_cache(ref_cfg, 4, 24))
+    tol = 2e-2 if cfg.compute_dtype == "bfloat16" else 1e-5
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(h, np.float32)[m], np.asarray(h_ref, np.float32)[m], atol=tol, rtol=tol)
+    np.testing.assert_array_equal(np.asarray(cache["pos"]), np.asarray(cache_ref["pos"]))
+    assert int(cache["index"]) == int(cache_ref["index"]) == 24
+    # Layer 0's keys and values come before any attention: equal to rounding, in slot order.
+    for name in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(cache["layers"][0][name], np.float32),
+                                   np.asarray(cache_ref["layers"][0][name], np.float32), atol=1e-6, rtol=1e-6)
+
+
+def test_the_choice_follows_the_backend_and_the_model():
+    """"auto" is cuDNN on a GPU for a bf16 model, splash on TPU, XLA on CPU, and XLA on a GPU
+    where cuDNN cannot serve (f32 compute, Gemma 2's soft-cap), saying why; an explicit "cudnn"
+    the model cannot use is one ConfigError line naming the reason."""
+    bf16 = preset("qwen2-test", compute_dtype="bfloat16")
+    assert resolve_attention(bf16, "gpu") == "cudnn"
+    assert resolve_attention(bf16, "tpu") == "splash"
+    assert resolve_attention(bf16, "cpu") == "xla"
+    assert resolve_attention(preset("qwen2-test"), "gpu") == "xla"
+    capped = bf16.replace(attn_logit_softcap=50.0)
+    assert resolve_attention(capped, "gpu") == "xla"
+    assert "soft-cap" in describe_attention(capped, "gpu")
+    with pytest.raises(ConfigError, match="soft-cap"):
+        resolve_attention(capped.replace(attention="cudnn"), "gpu")
+    with pytest.raises(ConfigError, match="attention="):
+        preset("qwen2-test", attention="flash")
+
+
+# ----------------------------------------------------------------------------- lowering for cuda
+
+
+@pytest.fixture
+def cudnn_lowering(monkeypatch):
+    """Lowering for `cuda` on a host without a GPU: jax asks the installed cuDNN for its version
+    before emitting the fused call; answer as cuDNN 9.10 would (nothing else is faked)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+
+
+def _cuda_text(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _square_f32(text: str, t: int) -> list[str]:
+    """f32 tensor types with two trailing T-sized dims ([..., T, T]): an attention score buffer."""
+    return [m for m in re.findall(r"tensor<([0-9x]+)xf32>", text) if m.split("x")[-2:] == [str(t), str(t)]]
+
+
+def test_update_step_lowered_for_cuda_contains_the_fused_kernel(cudnn_lowering):
+    """The update step (forward and backward) lowered for the cuda platform calls cuDNN's
+    fused attention forward and backward, and holds no f32 [.., T, T] buffer: what the H200
+    trace found (0.88 GiB of f32 scores per layer) is gone. Catches "auto" not resolving to
+    cuDNN for a bf16 model on GPU, and any path that still materialises the scores."""
+    from rljax.objectives import AlgorithmConfig, prompt_major_group_ids
+    from rljax.optim import OptimConfig
+    from rljax.update import RolloutBatch, init_train_state, update_step
+
+    t = 80  # no other dimension of the test model is 80
+    cfg = preset("qwen2-test", compute_dtype="bfloat16", attention="cudnn")
+    state = init_train_state(cfg, init_params(cfg, jax.random.key(0)), AlgorithmConfig(algorithm="grpo"),
+                             OptimConfig(learning_rate=1e-3))
+    tokens, mask = jnp.zeros((8, t), jnp.int32), jnp.ones((8, t), bool)
+    batch = RolloutBatch(tokens_bt=tokens, attn_mask_bt=mask, loss_mask_bt=mask, sampler_logp_bt=jnp.zeros((8, t)),
+                         rewards_b=jnp.zeros(8), group_ids_b=prompt_major_group_ids(8, 4), completion_len=t - 8)
+    text = _cuda_text(lambda s, b, k: update_step(s, b, k), state, batch, jax.random.key(0))
+    assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+    assert not _square_f32(text, t), _square_f32(text, t)[:3]
+
+
+def test_prefill_lowered_for_cuda_contains_the_fused_kernel(cudnn_lowering):
+    """The sampler's prefill lowered for cuda calls cuDNN's fused attention and holds no f32
+    [.., P, P] buffer (P = 80 prompt slots)."""
+    from rljax.sampling.decode import prompt_forward
+
+    cfg = preset("qwen2-test", compute_dtype="bfloat16", attention="cudnn")
+    params = init_params(cfg, jax.random.key(0))
+    tokens, mask = jnp.zeros((4, 80), jnp.int32), jnp.ones((4, 80), bool)
+    text = _cuda_text(lambda p, t, m: prompt_forward(cfg, p, t, m), params, tokens, mask)
+    assert "__cudnn$fmhaSoftmax" in text
+    assert not _square_f32(text, 80)
