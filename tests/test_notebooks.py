@@ -82,10 +82,11 @@ def test_every_notebook_opens_with_the_same_rljax_source_cell():
 
 
 def _resolve_install(cwd: Path, monkeypatch, *, source: str | None = None, edited: str = "",
-                     uploaded: tuple[str, ...] = ()) -> list[str]:
+                     uploaded: tuple[str, ...] = (), constraints: str | None = None) -> list[str]:
     """Executes the shared setup cell in this process, in `cwd`, with `%pip` recorded instead of run,
-    `RLJAX_SOURCE` from the environment (`source`) or typed into the cell (`edited`), and `uploaded`
-    as what the `/content` wheel glob finds; returns the pip command lines."""
+    `RLJAX_SOURCE` from the environment (`source`) or typed into the cell (`edited`), `uploaded`
+    as what the `/content` wheel glob finds and `constraints` as RLJAX_CONSTRAINTS; returns the pip
+    command lines."""
     text = setup_cell(NOTEBOOKS[0]).replace('RLJAX_SOURCE = ""', f"RLJAX_SOURCE = {edited!r}", 1)
     code = TransformerManager().transform_cell(text)   # `%pip ...` -> get_ipython().run_line_magic(...)
     pip_lines: list[str] = []
@@ -96,6 +97,10 @@ def _resolve_install(cwd: Path, monkeypatch, *, source: str | None = None, edite
             pip_lines.append(line.format_map(namespace))   # IPython expands {names} the same way
 
     namespace = {"get_ipython": Shell}
+    if constraints is None:
+        monkeypatch.delenv("RLJAX_CONSTRAINTS", raising=False)
+    else:
+        monkeypatch.setenv("RLJAX_CONSTRAINTS", constraints)
     if source is None:
         monkeypatch.delenv("RLJAX_SOURCE", raising=False)
     else:
@@ -132,6 +137,45 @@ def test_setup_cell_defaults_to_the_checkout_or_an_uploaded_wheel(tmp_path, monk
     assert _resolve_install(other / "notebooks", monkeypatch) == [f'install -q "{other}[gcs]"']
     wheel = "/content/rljax-0.1.0-py3-none-any.whl"
     assert _resolve_install(tmp_path, monkeypatch, uploaded=(wheel,)) == [f'install -q "{wheel}[gcs]"']
+
+
+def test_setup_cell_installs_with_the_projects_constraints(tmp_path, monkeypatch):
+    """The install pins the versions CI tested with `-c constraints.txt`: the file in a checkout
+    source, the one beside a wheel, a GitHub repository's own at the git URL's revision (HEAD
+    without one), or RLJAX_CONSTRAINTS, which wins; a source with none installs unpinned.
+    Catches: the notebooks installing without the project's constraints (the issue-39 report), a
+    GitHub URL's revision ignored (pins of another commit), and the environment variable ignored."""
+    checkout = tmp_path / "checkout"
+    (checkout / "rljax").mkdir(parents=True)
+    (checkout / "rljax" / "__init__.py").write_text("")
+    (checkout / "constraints.txt").write_text("jax==0.10.2\n")
+    assert _resolve_install(tmp_path, monkeypatch, source=str(checkout)) == [
+        f'install -q "{checkout}[gcs]" -c "{checkout}/constraints.txt"']
+    wheel = checkout / "rljax-0.1.0-py3-none-any.whl"
+    assert _resolve_install(tmp_path, monkeypatch, source=str(wheel)) == [
+        f'install -q "{wheel}[gcs]" -c "{checkout}/constraints.txt"']
+    raw = "https://raw.githubusercontent.com/you/rljax"
+    for url, pinned in ((f"git+https://github.com/you/rljax.git@v0.2", f"{raw}/v0.2/constraints.txt"),
+                        ("git+https://github.com/you/rljax", f"{raw}/HEAD/constraints.txt")):
+        assert _resolve_install(tmp_path, monkeypatch, source=url) == [
+            f'install -q "rljax[gcs] @ {url}" -c "{pinned}"']
+    assert _resolve_install(tmp_path, monkeypatch, source=str(wheel), constraints="/pins.txt") == [
+        f'install -q "{wheel}[gcs]" -c "/pins.txt"']
+    bare = tmp_path / "dist" / "rljax-0.1.0-py3-none-any.whl"
+    assert _resolve_install(tmp_path, monkeypatch, source=str(bare)) == [f'install -q "{bare}[gcs]"']
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_opens_with_a_colab_badge_for_its_own_path(path):
+    """The first cell carries an "Open in Colab" badge whose link opens this very file from GitHub
+    (`.../blob/<rev>/notebooks/<name>`). Catches: a missing badge, and a copied badge that opens
+    another notebook."""
+    intro = nbformat.read(path, as_version=4).cells[0].source
+    links = re.findall(r"\[!\[Open In Colab\]\(https://colab\.research\.google\.com/assets/colab-badge\.svg\)\]"
+                       r"\((https://colab\.research\.google\.com/github/[^)\s]+)\)", intro)
+    assert len(links) == 1, path.name
+    assert re.fullmatch(r"https://colab\.research\.google\.com/github/[^/]+/rljax/blob/[^/]+/notebooks/"
+                        + re.escape(path.name), links[0]), links[0]
 
 
 def test_setup_cell_without_any_source_names_both_fixes(tmp_path, monkeypatch):
