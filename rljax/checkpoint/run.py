@@ -18,8 +18,9 @@ from rljax.storage import as_path
 
 @dataclasses.dataclass(frozen=True)
 class RunStep:
-    """One checkpoint of a run: its step, why it was picked, its tracked metric's value and the
-    run's config as saved (a dict; None for a checkpoint saved outside `rljax train`)."""
+    """One checkpoint of a run: its step, why it was picked ("best", "latest", or "given" as a
+    number), its tracked metric's value and the run's config as saved (a dict; None for a
+    checkpoint saved outside `rljax train`)."""
 
     checkpoints: str
     step: int
@@ -34,7 +35,8 @@ class RunStep:
             why = "latest; the run tracked no metric to rank by" if self.picked == "best" else self.picked
             return f"step {self.step} ({why})"
         value = "not recorded" if self.value is None else f"{self.value:.4f}"
-        return f"step {self.step} ({self.picked} {self.metric} = {value})"
+        why = "" if self.picked == "given" else f"{self.picked} "
+        return f"step {self.step} ({why}{self.metric} = {value})"
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
@@ -54,7 +56,7 @@ def open_run(run_dir: str | os.PathLike, step: str = "best") -> RunStep:
         restored = ckpt.restore(step if step in ("best", "latest") else int(step), params=None)
         tracked = ckpt.tracked_metric()
         value = ckpt.metric(restored.step)
-    picked = step if step in ("best", "latest") else "chosen"
+    picked = step if step in ("best", "latest") else "given"
     return RunStep(checkpoints=str(ckpt_dir), step=restored.step, picked=picked,
                    metric=tracked[0] if tracked else None, value=value, config=restored.config)
 
