@@ -338,7 +338,7 @@ def test_train_config_sampling_is_sample_controls(tmp_path):
     tok = build_tokenizer(cfg.model)
     controls = sample_controls(cfg, tok)
     assert controls == cfg.sampling.replace(eos_ids=tuple(tok.eos_ids), pad_id=tok.pad_id)
-    with pytest.raises(ConfigError, match="^sampling: top_p"):
+    with pytest.raises(ConfigError, match=r"^sampling\.top_p=0\.0 must be in \(0, 1\]$"):
         load_config(overrides=["sampling.top_p=0"])
 
 
