@@ -2,7 +2,8 @@
 
 Each subcommand lives beside the concern it drives, in a module with
 `register(subparsers)` that adds its parser and sets `func`. Heavy imports stay inside the
-command functions so `rljax --help` is instant.
+command functions so `rljax --help` is instant. Every command runs quiet (`rljax.quiet`: library
+notices a user cannot act on are dropped) unless `--verbose` stands anywhere on the line.
 """
 
 from __future__ import annotations
