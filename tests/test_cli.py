@@ -294,3 +294,24 @@ def test_rljax_train_help_lists_the_packaged_recipes_and_the_default_jobs_time(c
         main(["--help"])
     assert "about 5 min" in " ".join(capsys.readouterr().out.split())
     assert "about 5 minutes after the install" in (ROOT / "README.md").read_text()
+
+
+def test_sample_names_the_fix_for_a_directory_without_a_tokenizer(run, tmp_path, capsys):
+    """A HF directory with weights but no tokenizer (an export made before exports carried one) is
+    one line naming `--tokenizer` and `rljax export`, and `--tokenizer chars:...` then samples the
+    same greedy completion as the full export. Catches: the bare "no tokenizer at ..." error, and a
+    `--tokenizer` that is parsed but not used."""
+    import shutil
+
+    cfg, result = run
+    assert _cli(capsys, "export", result.output_dir, tmp_path / "hf")[0] == 0
+    (tmp_path / "bare").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tmp_path / "hf" / name, tmp_path / "bare" / name)
+    args = ["--prompt", _held_out_prompt(cfg), "--greedy", "--max-new-tokens", "4", "--no-stream"]
+    code, _, err = _cli(capsys, "sample", "--checkpoint", tmp_path / "bare", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--tokenizer" in err and "rljax export" in err
+    code, expected, _ = _cli(capsys, "sample", "--checkpoint", tmp_path / "hf", *args)
+    assert code == 0
+    code, out, _ = _cli(capsys, "sample", "--checkpoint", tmp_path / "bare", *args, "--tokenizer", cfg.model.tokenizer)
+    assert code == 0 and out == expected

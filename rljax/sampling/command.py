@@ -14,6 +14,10 @@ def register(sub) -> None:
                         "or a run directory of rljax train (its best checkpoint)")
     p.add_argument("--step", default="best",
                    help="with a run directory: checkpoint step, 'best' or 'latest' (default: best)")
+    p.add_argument("--tokenizer", metavar="SPEC",
+                   help="the tokenizer, where the checkpoint's own is missing or another is wanted: a directory "
+                        "with tokenizer.json or tokenizer.model, a .model file, a built-in name (qwen) or "
+                        "chars:<alphabet> (default: the checkpoint's)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -59,10 +63,13 @@ def _sample(args) -> int:
                               greedy=args.greedy, scheduler=args.scheduler,
                               slots=args.slots)  # checked before the checkpoint loads
     if run_dir:
-        cfg, params, tok = _from_run(ckpt, args.step)
+        cfg, params, tok = _from_run(ckpt, args.step, args.tokenizer)
     else:
+        if args.tokenizer is None and not any((ckpt / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            raise CheckpointError(f"{ckpt} holds no tokenizer (tokenizer.json or tokenizer.model); pass --tokenizer, "
+                                  "or re-export the run with rljax export, which writes it beside the weights")
         cfg, params = load_hf(ckpt)
-        tok = tokenizers.load(ckpt)
+        tok = tokenizers.load(args.tokenizer or ckpt)
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tok.encode(text)
@@ -94,18 +101,18 @@ def _sample(args) -> int:
     return 0
 
 
-def _from_run(run_dir, step: str):
+def _from_run(run_dir, step: str, tokenizer: str | None):
     """(model config, params, tokenizer) of a run directory's checkpoint `step` ("best": by the
-    run's own metric), with the tokenizer the run's config names; the pick goes to stderr."""
+    run's own metric), with `tokenizer` or else the one the run's config names; the pick goes to
+    stderr."""
     from rljax import tokenizers
     from rljax.checkpoint import load_params, open_run, tokenizer_spec
     from rljax.errors import CheckpointError
 
     picked = open_run(run_dir, step)
-    spec = tokenizer_spec(picked.config)
+    spec = tokenizer or tokenizer_spec(picked.config)
     if spec is None:
-        raise CheckpointError(f"{run_dir}: its checkpoint holds no run config naming a tokenizer; export it with "
-                              f"rljax export {run_dir} OUT_DIR and copy the tokenizer files into OUT_DIR")
+        raise CheckpointError(f"{run_dir}: its checkpoint holds no run config naming a tokenizer; pass --tokenizer")
     print(f"sampling from {picked.describe()} of {run_dir}", file=sys.stderr)
     cfg, params = load_params(picked.checkpoints, picked.step)
     return cfg, params, tokenizers.load(spec)
