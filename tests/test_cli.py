@@ -195,8 +195,9 @@ def test_round_trip_export_then_sample_from_the_export_and_from_the_run(run, tmp
     sampler draws from the checkpoint's params with the run's tokenizer (and it is not empty).
 
     Catches: an export without tokenizer files (sample then fails to load one), a saved character
-    tokenizer whose ids or decoding differ (a missing Fuse decoder prints "7 <eos>"-style text), a
-    run directory refused by `sample`, and sampling either path with other weights than the run's."""
+    tokenizer whose ids differ under transformers (a plain vocabulary: transformers 5 loads a qwen2
+    directory with its byte-level Qwen2 class, which then drops the spaces of "7 + 4 ="), a run
+    directory refused by `sample`, and sampling either path with other weights than the run's."""
     cfg, result = run
     code, out, _ = _cli(capsys, "export", result.output_dir, tmp_path / "hf")
     assert code == 0 and "with its tokenizer" in out
