@@ -237,6 +237,53 @@ def test_auto_chunk_size_follows_the_budget():
     assert auto_chunk_size(64, 768, 151_936, time_chunk=1000) == LogprobChunks(768, 594)  # 223 x: 256 pieces
 
 
+def test_accelerator_chunks_keep_every_token_and_split_the_vocabulary_exactly():
+    """On a GPU or TPU the budget is 1/32 of one device's memory, every token of the pass stays in
+    one chunk, and the vocabulary is split into the fewest exact divisors that fit (>= 1,024 ids
+    each); time is halved only when no such split fits. The CPU's choice is unchanged.
+
+    Catches: the CPU's 256 MiB budget (128-token chunks at Qwen2.5-0.5B shapes) reaching a GPU,
+    a split that leaves padded rows (V % pieces != 0), chunks under budget that are not the
+    fewest, and time chunked where a vocabulary split would do."""
+    from rljax.models.scoring import logits_budget_bytes
+
+    assert logits_budget_bytes("cpu") == LOGITS_BUDGET_BYTES == 256 << 20
+    assert logits_budget_bytes("gpu", device_memory=128 << 30) == 4 << 30
+    gpu = dict(platform="gpu", budget_bytes=4 << 30)
+    # the H200 trace's micro-batch, 16 rows x 1024: 19.9 GB of logits over 4 GiB: 8 pieces (5 do not divide)
+    assert auto_chunk_size(16, 1024, 151_936, **gpu) == LogprobChunks(1024, 151_936 // 8)
+    assert auto_chunk_size(16, 1024, 49_152, **gpu) == LogprobChunks(1024, 49_152 // 2)  # 1.5 x the budget
+    assert auto_chunk_size(16, 100, 17, **gpu) == LogprobChunks(100, 17)
+    # 1024 rows x 4096: no split of >= 1,024 ids fits all 4096 steps; 256 steps x 1187 ids does
+    assert auto_chunk_size(1024, 4096, 151_936, **gpu) == LogprobChunks(256, 1187)
+    for b, t, v in [(16, 1024, 151_936), (64, 1024, 151_936), (8, 2048, 128_256), (32, 512, 49_152)]:
+        chunks = auto_chunk_size(b, t, v, **gpu)
+        assert v % chunks.vocab == 0 and 8 * b * chunks.time * chunks.vocab <= 4 << 30
+    assert auto_chunk_size(64, 768, 151_936, platform="cpu") == auto_chunk_size(64, 768, 151_936)
+
+
+def test_exact_vocabulary_chunks_equal_the_unchunked_scores():
+    """Log-probs, entropy and their gradients with an accelerator's chunks (the whole sequence, 4
+    exact vocabulary slices of 1,024 ids) equal the unchunked pass: f32 within 1e-6 of the scale.
+    Catches a strided slice mapped back to the wrong vocabulary rows, or a slice's dW written
+    over another's."""
+    cfg = preset("qwen2-test", vocab_size=4096, num_layers=1)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
+    chunks = auto_chunk_size(4, 32, 4096, platform="gpu", budget_bytes=8 * 4 * 32 * 1024)
+    assert chunks == LogprobChunks(32, 1024)
+
+    def loss(p, chunks):
+        lp, ent = token_logprobs(cfg, p, tokens, with_entropy=True, chunk_size=chunks.time, vocab_chunk=chunks.vocab)
+        return jnp.sum(lp * jnp.arange(33)) + jnp.sum(ent), (lp, ent)
+
+    (_, out), g = jax.value_and_grad(loss, has_aux=True)(params, chunks)
+    (_, ref), g_ref = jax.value_and_grad(loss, has_aux=True)(params, LogprobChunks(32, 4096))
+    for a, b in zip(jax.tree.leaves((out, g)), jax.tree.leaves((ref, g_ref))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6 * max(1.0, float(np.abs(b).max())),
+                                   rtol=1e-5)
+
+
 def test_update_config_keys_override_the_chunks():
     """`update.logprob_chunk` sets the time chunk (the vocabulary split follows from it) and
     `update.logprob_vocab_chunk` the ids per vocabulary chunk; unset, both are automatic; a

@@ -314,3 +314,40 @@ def test_missing_tensor_is_reported(tmp_path):
     (tmp_path / "ck" / "config.json").write_text(json.dumps(hf))
     with pytest.raises(CheckpointError, match="lacks layer 2"):
         M.load_hf(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu_tanh"])
+def test_gated_activation_gradients_are_autodiffs(name):
+    """`gated_activation`'s backward (recomputed from the saved gate and up) equals autodiff of
+    act(gate) * up: in f32 to 1e-6; with bf16 saving, autodiff's at the bf16-rounded gate and up.
+    Catches a wrong activation derivative (e.g. silu' = sigmoid), swapped gate and up
+    cotangents, and saved values not rounded as stated."""
+    from rljax.models.transformer import _activation, gated_activation
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    gate, up, g = (3 * jax.random.normal(k, (4, 8, 32)) for k in (k1, k2, k3))
+    plain = lambda a, b: _activation(name, a) * b
+    for saved in (jnp.float32, jnp.bfloat16):
+        out, vjp = jax.vjp(lambda a, b: gated_activation(a, b, name, saved), gate, up)
+        rounded = [x.astype(saved).astype(jnp.float32) for x in (gate, up)]
+        ref_out, ref_vjp = jax.vjp(plain, *rounded)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(plain(gate, up)))  # the forward is exact
+        for a, b in zip(vjp(g), ref_vjp(g)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
+
+
+def test_scanned_layers_save_no_f32_mlp_stack_in_bf16():
+    """The gradient of a bf16-compute model's scanned layers, as lowered (the program JAX hands
+    XLA), saves its MLP activations as bf16 [L, B, T, F] stacks and no f32 one: autodiff of
+    act(gate) * up lowers with 47 f32 [L, B, T, F] values (the five f32 residual stacks the H200
+    trace found, and their uses), `gated_activation` with none. (XLA:CPU may still widen a saved
+    stack to f32 before its backward loop: a CPU compiler choice; BENCHMARKS.md.)"""
+    import re
+
+    cfg = M.preset("qwen2-test", num_layers=3, compute_dtype="bfloat16", param_dtype="bfloat16",
+                   intermediate_size=144)
+    params = M.init_params(cfg, jax.random.key(0))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    text = jax.jit(jax.grad(lambda p: M.token_logprobs(cfg, p, tokens)[0].sum())).lower(params).as_text()
+    assert not re.findall(r"tensor<3x2x16x144xf32>", text)
+    assert re.findall(r"tensor<3x2x16x144xbf16>", text)  # the bf16 stacks it saves instead

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -61,9 +62,14 @@ def logprobs_from_logits(logits_btv, targets_bt, temperature: float = 1.0, with_
 # ----------------------------------------------------------------------------- chunk sizes
 
 # Bytes one chunk of the vocabulary projection may hold: its f32 logits and the f32 softmax (or
-# logit cotangent) computed from them, 2 x [rows, vocab chunk] x 4 bytes.
+# logit cotangent) computed from them, 2 x [rows, vocab chunk] x 4 bytes. On a CPU: 256 MiB, which
+# keeps a chunk in the caches' reach and the step's memory small. On an accelerator: a share of
+# the device's memory (`logits_budget_bytes`).
 LOGITS_BUDGET_BYTES = 256 << 20
+ACCELERATOR_BUDGET_SHARE = 1 / 32
 _BYTES_PER_LOGIT = 2 * 4
+_MIN_VOCAB_CHUNK = 1024  # below this a vocabulary chunk's matmuls are too thin for an accelerator
+ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
 
 class LogprobChunks(NamedTuple):
@@ -74,19 +80,63 @@ class LogprobChunks(NamedTuple):
     vocab: int
 
 
-def auto_chunk_size(batch: int, time: int, vocab: int, budget_bytes: int = LOGITS_BUDGET_BYTES, *,
-                    time_chunk: int | None = None) -> LogprobChunks:
-    """The chunks of a [batch, time] scoring pass chosen from the shapes, so that one chunk's
-    f32 logits and softmax, 2 x 4 bytes x rows x vocabulary ids, fit `budget_bytes`.
+def logits_budget_bytes(platform: str | None = None, device_memory: int | None = None) -> int:
+    """The chunk budget of the vocabulary projection: `LOGITS_BUDGET_BYTES` on a CPU; on a GPU or
+    TPU, `ACCELERATOR_BUDGET_SHARE` of one device's memory (its `memory_stats()["bytes_limit"]`,
+    or `device_memory`): about 4.3 GiB on an H200, 2.4 GiB on an H100, 0.5 GiB on a TPU v5e."""
+    platform = platform or jax.default_backend()
+    if platform not in ACCELERATORS:
+        return LOGITS_BUDGET_BYTES
+    if device_memory is None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        device_memory = stats.get("bytes_limit", 16 << 30)
+    return int(device_memory * ACCELERATOR_BUDGET_SHARE)
 
-    Time first: the whole sequence if it fits, else the largest power of two of time steps that
-    does (at least 1); `time_chunk` overrides that choice (`update.logprob_chunk`). The vocabulary
-    is split only where that token chunk still does not fit (B rows x 1 step x V over budget, or
-    a large override), into the fewest power-of-two number of chunks that fit: a power of two
-    divides real vocabularies (151,936 = 2^7 x 1187) without padding. A 151,936-id vocabulary at
-    B = 64 rows takes 2 steps per chunk and the whole vocabulary; a 17-symbol one is one chunk.
+
+def _divisor_pieces(vocab: int, need: float, min_chunk: int) -> int | None:
+    """The fewest pieces >= `need` that divide `vocab` exactly with chunks of >= `min_chunk` ids
+    (None if there are none): an exact split needs no padded rows of the embedding."""
+    for pieces in range(max(1, math.ceil(need)), max(1, vocab // max(1, min_chunk)) + 1):
+        if vocab % pieces == 0:
+            return pieces
+    return None
+
+
+def auto_chunk_size(batch: int, time: int, vocab: int, budget_bytes: int | None = None, *,
+                    time_chunk: int | None = None, platform: str | None = None) -> LogprobChunks:
+    """The chunks of a [batch, time] scoring pass chosen from the shapes, so that one chunk's
+    f32 logits and softmax, 2 x 4 bytes x rows x vocabulary ids, fit `budget_bytes` (default:
+    `logits_budget_bytes(platform)`).
+
+    CPU (time first): the whole sequence if it fits, else the largest power of two of time steps
+    that does (at least 1); `time_chunk` overrides that choice (`update.logprob_chunk`). The
+    vocabulary is split only where that token chunk still does not fit (B rows x 1 step x V over
+    budget, or a large override), into the fewest power-of-two number of chunks that fit: a
+    power of two divides real vocabularies (151,936 = 2^7 x 1187) without padding. A 151,936-id
+    vocabulary at B = 64 rows takes 2 steps per chunk and the whole vocabulary; a 17-symbol one
+    is one chunk.
+
+    Accelerators (vocabulary first): every token of the pass in one chunk and the vocabulary
+    split into the fewest exact divisors that fit, each of at least 1,024 ids; the time is halved
+    only where even that does not fit. With one token chunk the weight gradient is written once
+    per pass (each vocabulary slice once) instead of read, added to and written back per token
+    chunk: on an H200 the 128-token chunks of the CPU's budget re-wrote an f32 [151,936, 896] dW
+    512 times a step (BENCHMARKS.md). Exact divisors leave no padded embedding rows.
     """
+    platform = platform or jax.default_backend()
+    budget_bytes = logits_budget_bytes(platform) if budget_bytes is None else budget_bytes
     per_step = _BYTES_PER_LOGIT * batch * vocab
+    if platform in ACCELERATORS:
+        steps = time if time_chunk is None else max(1, min(time_chunk, time))
+        while True:
+            pieces = _divisor_pieces(vocab, per_step * steps / budget_bytes,
+                                     _MIN_VOCAB_CHUNK if time_chunk is None else 1)
+            if pieces is not None or steps == 1 or time_chunk is not None:
+                break
+            steps = 1 << ((steps - 1).bit_length() - 1)  # the power of two below
+        if pieces is not None:
+            return LogprobChunks(steps, vocab // pieces)
+        time_chunk = steps  # no exact split fits: the CPU's power-of-two rule below
     if time_chunk is None:
         steps = time if per_step * time <= budget_bytes else max(1, budget_bytes // per_step)
         time_chunk = time if steps >= time else 1 << (steps.bit_length() - 1)

@@ -22,6 +22,7 @@ from rljax.errors import ConfigError
 from rljax.lora import LoraConfig, adapter_shapes, load_peft
 from rljax.models import ModelConfig, init_params, is_gguf, load_gguf, load_hf, read_gguf_config, read_hf_config
 from rljax.models import resolve_checkpoint
+from rljax.models.attention import describe_attention
 from rljax.sharding import Layout
 from rljax.tokenizers import Tokenizer
 from rljax.tokenizers import load as load_tokenizer
@@ -270,4 +271,5 @@ def run_summary(cfg: TrainConfig, model_cfg: ModelConfig, params: Any, train: tu
     n = sum(x.size for x in jax.tree.leaves(params))
     return (f"model {model_cfg.model_type} {n / 1e6:.2f}M params | train {len(train)} / held-out {len(held)} "
             f"problems | {cfg.algorithm.algorithm}: {cfg.rl.iterations} iterations x "
-            f"{cfg.rl.prompts_per_iteration} prompts x {cfg.sampling.num_samples} samples")
+            f"{cfg.rl.prompts_per_iteration} prompts x {cfg.sampling.num_samples} samples | "
+            f"{describe_attention(model_cfg)}")

@@ -21,9 +21,10 @@ class UpdateConfig:
     across layer boundaries and schedule each layer's matmuls on their own; compiles take longer;
     see `rljax.models.hidden_states` and BENCHMARKS.md).
     Scoring: `logprob_chunk` is the time-chunk of the vocabulary projection (None: chosen from the
-    shapes by `rljax.models.auto_chunk_size`, so a 150k vocabulary never holds [B, T, V]; a
-    chunk is recomputed in the backward pass); `logprob_vocab_chunk` the ids per vocabulary chunk
-    (None: split only where one time chunk alone is over budget). `log_entropy` reports the policy entropy; with it
+    shapes and the backend by `rljax.models.auto_chunk_size`, so a 150k vocabulary never holds
+    [B, T, V]; a chunk is recomputed in the backward pass); `logprob_vocab_chunk` the ids per
+    vocabulary chunk (None: automatic; on a CPU split only where one time chunk alone is over
+    budget, on an accelerator every token in one chunk and the vocabulary in exact slices). `log_entropy` reports the policy entropy; with it
     off and `entropy_coef = 0` the entropy is not computed at all.
     """
 
