@@ -149,7 +149,7 @@ def test_segments_reuse_one_compile_per_cache_width(setup):
     before = [f._cache_size() for f in jits]
     _run(setup, [(params_a, 0), (params_a, 0), (params_b, 1)], controls)  # swap at step 6 (width 16)
     first = [f._cache_size() - b for f, b in zip(jits, before)]
-    assert first[1] == len(D.phase_widths(32, CONTROLS.max_new_tokens)) == 2 and first[2] == 1
+    assert first[1] == len(D.decode_widths(controls.static(), 32, CONTROLS.max_new_tokens)) == 2 and first[2] == 1
     after = [f._cache_size() for f in jits]
     _run(setup, [(params_a, 0)] * 2 + [(params_b, 4)], controls)
     _run(setup, [(params_a, 0)] * 2 + [(params_a, 0), (params_b, 1)], controls)  # swap at step 11

@@ -130,24 +130,26 @@ def test_policy_logprobs_equal_trainer_scoring(tiny):
 
 
 def test_phased_decode_equals_one_full_width_loop(tiny):
-    """Decoding in phases (cache widths 16, 32, 64 new slots) gives the tokens and log-probs of one
-    loop over a cache allocated at full width from the start."""
+    """Decoding in phases (cache widths N/4, N/2, N new slots, or doubling from 16) gives the
+    tokens and log-probs of one loop over a cache allocated at full width from the start.
+
+    Catches: a phase that stops one token early or late, a widening that drops the cache's keys,
+    and widths that skip the bucket (rows would stop short of max_new_tokens)."""
     from rljax.sampling import decode as D
-    from rljax.sampling import sampler as S
-    assert D.phase_widths(64) == (16, 32, 64) and D.phase_widths(64, 20) == (16, 32)
-    assert D.phase_widths(16) == (16,) and D.phase_widths(512, 100) == (16, 32, 64, 128)
+    assert D.phase_widths(64, phases=3) == (16, 32, 64) and D.phase_widths(64, 20, phases=3) == (16, 32)
+    assert D.phase_widths(16, phases=3) == (16,) and D.phase_widths(1024, phases=3) == (256, 512, 1024)
+    assert D.phase_widths(128, phases=9) == (16, 32, 64, 128) and D.phase_widths(64) == (64,)
     cfg, params = tiny
     tokens, mask = _ragged_prompts(np.random.default_rng(3), [5, 8], 8, cfg.vocab_size)
     controls = SampleControls(max_new_tokens=50, num_samples=2)
-    phased = generate(cfg, params, tokens, mask, key=jax.random.key(6), controls=controls)
-    state, spec, layer_params = S.start(cfg, params, tokens, mask, key=jax.random.key(6), controls=controls)
-    state = D.widen(state, 64 - D.phase_widths(64)[0])
-    state = jax.jit(D.decode, static_argnames=("cfg", "spec"))(cfg, layer_params, state, np.int32(50), spec=spec)
-    full = D.to_result(state, width=50)
-    np.testing.assert_array_equal(np.asarray(phased.tokens), np.asarray(full.tokens))
-    # Softmax sums over a different number of (empty, zero-weight) slots: rounding-level differences.
-    np.testing.assert_allclose(np.asarray(phased.logprobs), np.asarray(full.logprobs), atol=1e-5, rtol=0)
-    assert int(np.asarray(phased.lengths).min()) == 50
+    full = generate(cfg, params, tokens, mask, key=jax.random.key(6), controls=controls.replace(decode_phases=1))
+    for phases in (2, 3, 9):
+        phased = generate(cfg, params, tokens, mask, key=jax.random.key(6),
+                          controls=controls.replace(decode_phases=phases))
+        np.testing.assert_array_equal(np.asarray(phased.tokens), np.asarray(full.tokens))
+        # Softmax sums over a different number of (empty, zero-weight) slots: rounding-level differences.
+        np.testing.assert_allclose(np.asarray(phased.logprobs), np.asarray(full.logprobs), atol=1e-5, rtol=0)
+        assert int(np.asarray(phased.lengths).min()) == 50
 
 
 def test_generate_first_token_frequencies_match_model(tiny):
@@ -234,7 +236,55 @@ def test_no_recompile_within_a_bucket(tiny):
                  controls=controls.replace(temperature=1.2))
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert first >= 2 and len(compiles) == first
+    assert first >= 1 and len(compiles) == first
+
+
+# What one `generate` configuration compiles (rljax.sampling.sampler): one program, whatever the
+# scheduler or layout, for every batch and length within its buckets.
+PROGRAMS_PER_CONFIGURATION = 1
+_CONFIGURATIONS = {
+    "static": dict(scheduler="static"),
+    "continuous": dict(scheduler="continuous", slots=4),
+    "paged": dict(scheduler="continuous", kv_layout="paged", max_total_tokens=256, page_size=8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CONFIGURATIONS))
+def test_one_configuration_compiles_a_stated_number_of_programs(tiny, name):
+    """A sampler configuration compiles `PROGRAMS_PER_CONFIGURATION` programs (JAX lowerings,
+    counted with `jax.monitoring`; a persistent-cache hit is still a lowering) for two batch sizes
+    of one batch bucket (5 and 7 prompts: bucket 8) with prompt lengths and `max_new_tokens` in
+    one length bucket each, and the rows shared by both calls draw the same tokens.
+
+    Catches: one jitted loop per decode phase (the static sampler compiled 4 programs here: two
+    phases, a widening and a trim), a prompt count that is not bucketed (a second program for 7
+    prompts), a result trimmed on the device (one program per width), and padding rows that
+    disturb the real ones."""
+    cfg, params = tiny
+    rng = np.random.default_rng(11)
+    five = _ragged_prompts(rng, [3, 6, 2, 5, 4], 6, cfg.vocab_size)
+    seven = _ragged_prompts(rng, [7, 2, 9, 4, 11, 1, 5], 11, cfg.vocab_size)
+    seven[0][:5, -6:], seven[1][:5] = five[0], False  # its first five prompts are `five`'s
+    seven[1][:5, -6:] = five[1]
+    controls = SampleControls(max_new_tokens=27, num_samples=2, temperature=0.8, eos_ids=(3,),
+                              **_CONFIGURATIONS[name])
+    key = jax.random.key(5)
+    lowerings = []
+
+    def listen(event, *_args, **_kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowerings.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = generate(cfg, params, *seven, key=key, controls=controls)
+        after_first = len(lowerings)
+        second = generate(cfg, params, *five, key=key, controls=controls.replace(max_new_tokens=20))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert after_first == len(lowerings) == PROGRAMS_PER_CONFIGURATION
+    assert np.asarray(first.tokens).shape == (14, 27) and np.asarray(second.tokens).shape == (10, 20)
+    np.testing.assert_array_equal(np.asarray(second.tokens), np.asarray(first.tokens)[:10, :20])
 
 
 def test_bad_inputs_raise_one_line_errors(tiny):

@@ -47,7 +47,9 @@ def test_short_run_raises_mean_reward(tmp_path):
     Over seeds 0-5 the gain (last 5 iterations minus first 5) was 0.15-0.19 with LLVM -O2 kernels and
     0.13-0.22 at the suite's -O0 (tests/conftest.py), so the 0.05 bar leaves room for the float
     rounding of other CPUs (an AVX2 machine once ended a 30-iteration run 0.001 short of it).
-    Catches: an update that does not follow the advantage (no gain), or a sign error (reward falls)."""
+    Catches: an update that does not follow the advantage (no gain), or a sign error (reward falls).
+    `time/compiles` counts the programs each step compiled: the first step's, then none until the
+    final evaluation (a sampler or update that recompiled every step would show here)."""
     cfg = load_config(None, TINY + [
         "data.task_kwargs={min_terms=2, max_terms=2, min_digits=1, max_digits=1}", "data.size=400",
         "data.eval_size=40", "eval.size=40", "rl.iterations=100", "optim.learning_rate=1e-3", "eval.every=100",
@@ -57,6 +59,8 @@ def test_short_run_raises_mean_reward(tmp_path):
     assert len(rewards) == 100
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert last > first + 0.05, (first, last)
+    compiles = [r["time/compiles"] for r in result.history if "rollout/reward_mean" in r]
+    assert compiles[0] >= 1 and not any(compiles[1:-1]), compiles
     assert (tmp_path / "curves.png").exists() and (tmp_path / "metrics.jsonl").exists()
 
 

@@ -10,6 +10,11 @@
 `max_new_tokens` is traced too; only its bucket (`bucket_length`) and `num_samples` shape the
 compiled program.
 
+`decode_phases` is how many cache widths the static loop decodes with (`rljax.sampling.decode`):
+0 picks it by backend, `DECODE_PHASES_CPU` on the CPU, where decode attention reads every slot of
+the cache, and 1 (one loop over the full width) elsewhere, where fewer loops compile faster and a
+decode kernel reads each row's own length. It changes the compiled program, not the tokens.
+
 `scheduler` picks the decode loop: "static" decodes the whole batch until its last row ends (as
 transformers' `generate` does); "continuous" decodes a fixed number of slots and gives a slot whose
 row has ended to the next pending row (`rljax.sampling.continuous`). Both give the same tokens for
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from rljax.config_io import bounded
@@ -30,6 +36,12 @@ from rljax.sampling.filters import Filters, make_filters
 
 SCHEDULERS = ("static", "continuous")
 KV_LAYOUTS = ("slots", "paged")
+DECODE_PHASES_CPU = 3  # widths N/4, N/2, N: within 3% of doubling from 16's attention read (BENCHMARKS.md)
+
+
+def default_decode_phases(backend: str | None = None) -> int:
+    """`decode_phases` when it is 0: `DECODE_PHASES_CPU` on the CPU, 1 on accelerators."""
+    return DECODE_PHASES_CPU if (backend or jax.default_backend()) == "cpu" else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +54,7 @@ class StaticControls:
     pad_id: int
     logits_processor: Callable | None = None
     batch_invariant: bool = False
+    decode_phases: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +90,9 @@ class SampleControls:
       count or scheduler computes it. Slower (the weights are read once per row); for checks
       and reproducibility. Without it, schedulers agree on the tokens and on the log-probs to
       the last bits of f32 (XLA:CPU picks matmul kernels by row count).
+    decode_phases: static scheduler only: decode loops over growing cache widths, new_bucket /
+      2^(k-1) ... new_bucket (see the module docstring); 0 picks by backend, 1 is one loop over
+      the full width. Same tokens for any value; log-probs agree to f32 rounding.
     logits_processor: optional fn(logits_bv, row_b, step_b) -> logits_bv applied to the sampling
       distribution only (the policy log-probs stay unprocessed): row_b is the row's index in
       input order, step_b the index of the token being drawn. Traced inside the decode loop; a
@@ -103,6 +119,7 @@ class SampleControls:
     kv_layout: str = "slots"
     page_size: int = bounded(16, ge=1)
     batch_invariant: bool = False
+    decode_phases: int = bounded(0, ge=0)
     logits_processor: Callable | None = None
 
     def __post_init__(self):
@@ -115,7 +132,8 @@ class SampleControls:
                           pad_id=None if self.pad_id is None else int(self.pad_id),
                           slots=int(self.slots), max_total_tokens=int(self.max_total_tokens),
                           prefill_batch=int(self.prefill_batch), refill_batch=int(self.refill_batch),
-                          page_size=int(self.page_size), batch_invariant=bool(self.batch_invariant))
+                          page_size=int(self.page_size), batch_invariant=bool(self.batch_invariant),
+                          decode_phases=int(self.decode_phases))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
                               f"{err}") from None
@@ -127,7 +145,7 @@ class SampleControls:
             raise ConfigError(f"sampling: num_samples must be >= 1, got {self.num_samples}")
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"sampling: scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch"):
+        for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch", "decode_phases"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
         self._check_kv_layout()
@@ -165,7 +183,8 @@ class SampleControls:
     def static(self) -> StaticControls:
         return StaticControls(filters=self.filters(), eos_ids=self.eos_ids or (),
                               stop_sequences=self.stop_sequences, pad_id=self.pad_id or 0,
-                              logits_processor=self.logits_processor, batch_invariant=self.batch_invariant)
+                              logits_processor=self.logits_processor, batch_invariant=self.batch_invariant,
+                              decode_phases=self.decode_phases or default_decode_phases())
 
     def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
         """(temperature, top_p, min_p) as traced values; greedy ignores them."""

@@ -22,10 +22,10 @@ the same row keys), so without a swap the tokens and log-probs are bitwise those
 tokens 0 .. s-1 were drawn from the old params' logits, token s and later from the new params'
 logits computed over the whole prefix, exactly as if the new params had produced the cache.
 
-The cache keeps the sampler's phase layout (widths 16, 32, 64, ... new slots; see `decode`)
+The cache keeps the sampler's phase layout (`decode_widths`; see `decode`)
 rather than the full max_new width from the start: decode attention over a wider cache sums its
 softmax over more (empty) slots in a different order, which changes the log-probs in the last
-f32 bits, and the sampler's bitwise equality (and its 3/4 average attention read) would be lost.
+f32 bits, and the sampler's bitwise equality (and its smaller average attention read) would be lost.
 The price is that the host must know when a phase is full: the drivers read the step counter
 once per segment (a scalar), which they need anyway to poll for weights at the right time.
 """
@@ -163,7 +163,7 @@ def start(cfg: ModelConfig, params, prompt_tokens_pt, prompt_mask_pt, key, contr
     or each call copies the layers out of the stacked arrays again."""
     spec = controls.static()
     new_bucket = D.bucket_length(controls.max_new_tokens)
-    widths = (new_bucket,) if spec.batch_invariant else D.phase_widths(new_bucket, controls.max_new_tokens)
+    widths = D.decode_widths(spec, new_bucket, controls.max_new_tokens)
     return _start_jit(cfg, params, jnp.asarray(prompt_tokens_pt, jnp.int32), jnp.asarray(prompt_mask_pt, bool), key,
                       np.int32(controls.max_new_tokens), controls.scalars(), np.int32(version), spec=spec,
                       num_samples=controls.num_samples, new_bucket=new_bucket,

@@ -1,14 +1,20 @@
 """The host API: `generate` (a whole batch at once) and `stream` (tokens as they are drawn).
 
-Both validate the prompts on the host, pad them, and run the jitted pieces of
-`rljax.sampling.decode` (prefill, then one `while_loop` decode per cache width; see its
-docstring for the algorithm, the log-probs and the decode phases). The sampling controls are one
+Both validate the prompts on the host and pad them. `generate` then runs ONE compiled program
+per configuration, whatever the scheduler: `rljax.sampling.decode.sample_static` (prefill, the
+decode phases and the result; see its module docstring for the algorithm, the log-probs and the
+phases) or `rljax.sampling.continuous.sample_continuous`. `stream` runs the static pieces as
+separate jitted calls, so it can hand tokens back between them. The sampling controls are one
 `SampleControls`.
 
-Buckets. The prompt length P is padded (on the left) to `bucket_length(P)` and the decode buffers
+Buckets. The prompt length P is padded (on the left) to `bucket_length(P)`, the decode buffers
 are sized `bucket_length(max_new_tokens)`, with `bucket_length(n)` = the next power of two >= max(n,
-16). `max_new_tokens` itself is a traced scalar, so a run compiles once per (batch, num_samples,
-prompt bucket, new-token bucket, `SampleControls.static()`), never per exact length.
+16), and `generate` pads the prompt count to a power of two (padding prompts are one token each
+and their rows never draw; the static loop still computes them, the continuous one never admits
+them). `max_new_tokens` and the real row count are traced, so a run compiles once per (prompt
+bucket, num_samples, prompt-length bucket, new-token bucket, `SampleControls.static()`), never per
+exact batch or length. The result is trimmed to the real rows and `max_new_tokens` columns on the
+host (on a mesh, by a small jitted slice per width, so the rows stay split).
 
 Meshes. When the params live on a multi-device mesh of this process (`rljax.sharding.shard_params`
 or a replicated `device_put`), `generate` and `stream` split the prompt rows over the mesh's batch
@@ -35,12 +41,14 @@ from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sharding.rules import batch_axes
 from rljax.tokenizers import check_token_ids
 
+_static_jit = jax.jit(D.sample_static, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
+_continuous_jit = jax.jit(C.sample_continuous, static_argnames=("cfg", "spec", "layout"))
+_trim_jit = jax.jit(C.trim, static_argnames=("rows", "width"))
+# `stream`'s pieces:
 _prefill_jit = jax.jit(D.prefill, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
 _decode_jit = jax.jit(D.decode, static_argnames=("cfg", "spec"), donate_argnames=("state",))
 _widen_jit = jax.jit(D.widen, static_argnames=("extra",))  # new buffers: nothing to donate
-_result_jit = jax.jit(D.to_result, static_argnames=("width",))
 _unstack_jit = jax.jit(unstack_layers)
-_continuous_jit = jax.jit(C.sample_continuous, static_argnames=("cfg", "spec", "layout"))
 
 
 def pad_prompts(cfg: ModelConfig, prompt_tokens_bt, prompt_mask_bt=None, pad_id: int = 0
@@ -93,6 +101,17 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, ke
     return state, spec, params
 
 
+def pad_prompt_count(tokens: np.ndarray, mask: np.ndarray, pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Pads padded prompts [B, P] to the next power of two of B with one-token prompts: (tokens,
+    mask, B). The samplers trace the real row count, so every B of a bucket compiles once."""
+    b = tokens.shape[0]
+    bucket = 1 << max(b - 1, 0).bit_length()
+    tokens = np.pad(tokens, ((0, bucket - b), (0, 0)), constant_values=pad_id)
+    mask = np.pad(mask, ((0, bucket - b), (0, 0)))
+    mask[b:, -1] = True  # padding prompts: one token each, never decoded
+    return tokens, mask, b
+
+
 def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, key: jax.Array,
              controls: SampleControls) -> D.SampleResult:
     """Samples `controls.num_samples` completions per prompt with a KV cache.
@@ -101,31 +120,26 @@ def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *,
     are usually left-padded, any padding works). The same `key` and inputs give the same tokens.
     Returns a `SampleResult` with B * num_samples rows, prompt-major.
     """
-    if controls.scheduler == "continuous":
-        return _generate_continuous(cfg, params, prompt_tokens_bt, prompt_mask_bt, key=key, controls=controls)
-    state, spec, params = start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key=key, controls=controls)
-    state = D.decode_phases(cfg, params, state, spec=spec, new_bucket=D.bucket_length(controls.max_new_tokens),
-                            max_new_tokens=controls.max_new_tokens, decode=_decode_jit, widen=_widen_jit)
-    return _result_jit(state, width=controls.max_new_tokens)
-
-
-def _generate_continuous(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, *, key: jax.Array,
-                         controls: SampleControls) -> D.SampleResult:
-    """`generate` with the continuous scheduler: the prompt count is padded to a power of two (the
-    real row count is traced, so any count within the bucket reuses one compiled loop)."""
     spec = controls.static()
     tokens, mask = pad_prompts(cfg, prompt_tokens_bt, prompt_mask_bt, spec.pad_id)
-    b = tokens.shape[0]
-    bucket = 1 << max(b - 1, 0).bit_length()
-    tokens = np.pad(tokens, ((0, bucket - b), (0, 0)), constant_values=spec.pad_id)
-    mask = np.pad(mask, ((0, bucket - b), (0, 0)))
-    mask[b:, -1] = True  # padding prompts: one token each, never decoded
-    layout = C.plan_layout(controls, bucket, tokens.shape[1])
-    result = _continuous_jit(cfg, params, tokens, mask, key, np.int32(controls.max_new_tokens), controls.scalars(),
-                             np.int32(b * controls.num_samples), spec=spec, layout=layout)
+    tokens, mask, b = pad_prompt_count(tokens, mask, spec.pad_id)
     rows, width = b * controls.num_samples, controls.max_new_tokens
-    host = jax.device_get(result)  # trimmed on the host: slicing on device would compile per row count
-    return jax.device_put(C.trim(host, rows, width))
+    max_new, scalars = np.int32(controls.max_new_tokens), controls.scalars()
+    if controls.scheduler == "continuous":
+        layout = C.plan_layout(controls, tokens.shape[0], tokens.shape[1])
+        result = _continuous_jit(cfg, params, tokens, mask, key, max_new, scalars, np.int32(rows), spec=spec,
+                                 layout=layout)
+        split = None
+    else:
+        split = rows_sharding(params, tokens.shape[0])
+        if split is not None:  # each device prefills and decodes its own rows
+            tokens, mask = jax.device_put((tokens, mask), split)
+        result = _static_jit(cfg, params, tokens, mask, key, max_new, scalars, np.int32(rows), spec=spec,
+                             num_samples=controls.num_samples, new_bucket=D.bucket_length(width))
+    if split is not None:
+        return _trim_jit(result, rows=rows, width=width)
+    # Trimmed on the host: a slice on device would compile once per row count and width.
+    return jax.device_put(C.trim(jax.device_get(result), rows, width))
 
 
 def stream(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, key: jax.Array,
@@ -143,7 +157,7 @@ def stream(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, k
         return
     max_new_tokens = controls.max_new_tokens
     state, spec, params = start(cfg, params, prompt_tokens_bt, prompt_mask_bt, key=key, controls=controls)
-    widths = iter(D.phase_widths(D.bucket_length(max_new_tokens), max_new_tokens))
+    widths = iter(D.decode_widths(spec, D.bucket_length(max_new_tokens), max_new_tokens))
     width = next(widths)
     done = 0
     while True:

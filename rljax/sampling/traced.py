@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, unstack_layers
+from rljax.models import ModelConfig
 from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls
@@ -30,10 +30,7 @@ def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, cont
                                      jnp.int32(controls.max_new_tokens), controls.scalars(),
                                      b * controls.num_samples, spec=spec, layout=layout)
         return C.trim(result, b * controls.num_samples, controls.max_new_tokens)
-    params = unstack_layers(params)  # once, for the prefill and every decode phase
-    state = D.prefill(cfg, params, prompt_tokens_bt, prompt_mask_bt.astype(bool), key,
-                      jnp.int32(controls.max_new_tokens), controls.scalars(), spec=spec,
-                      num_samples=controls.num_samples, new_bucket=new_bucket)
-    state = D.decode_phases(cfg, params, state, spec=spec, new_bucket=new_bucket,
-                            max_new_tokens=controls.max_new_tokens)
-    return D.to_result(state, width=controls.max_new_tokens)
+    result = D.sample_static(cfg, params, prompt_tokens_bt, prompt_mask_bt.astype(bool), key,
+                             jnp.int32(controls.max_new_tokens), controls.scalars(), None, spec=spec,
+                             num_samples=controls.num_samples, new_bucket=new_bucket)
+    return C.trim(result, prompt_tokens_bt.shape[0] * controls.num_samples, controls.max_new_tokens)

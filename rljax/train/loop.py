@@ -59,7 +59,7 @@ from rljax.train.config import TrainConfig
 from rljax.train.batching import HostBatcher, HostDataState, Rounds
 from rljax.train.iteration import make_iteration, make_split_iteration, make_stages
 from rljax.train.metrics_writer import MetricsWriter, SampleRecord, plot_curves
-from rljax.train.progress import Progress
+from rljax.train.progress import CompileCounter, Progress
 from rljax.train.tool_warm_start import run_tool_warm_start
 from rljax.train.warm_start import run_warm_start
 from rljax.update import TrainState, init_train_state, reset_reference
@@ -121,6 +121,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     driver = iteration if cfg.rl.mode != "sync" else None
     progress = Progress(cfg.rl.iterations, start, enabled=_is_main() and cfg.metrics.progress_bar)
     accuracy = next((r["eval/accuracy"] for r in reversed(history) if r.get("eval/accuracy") is not None), None)
+    compiles = CompileCounter()
     try:
         for it in range(start, cfg.rl.iterations):
             t0 = time.perf_counter()
@@ -138,6 +139,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
             if step % cfg.eval.every == 0 or last:
                 metrics.update(evaluate(run, state))
                 accuracy = metrics["eval/accuracy"]
+            metrics["time/compiles"] = compiles.take()  # programs this step compiled (0 once warm)
             run.writer.write(step, metrics)
             if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
                 run.writer.write_samples(step, preview_samples(run, preview))
@@ -146,6 +148,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
             if step % cfg.checkpoint.every == 0 or last:
                 save(run, state, step, data_iter, accuracy, driver=driver)
     finally:
+        compiles.close()
         if driver is not None:  # stops an async producer on success, error or Ctrl-C alike
             driver.close()
     progress.close()

@@ -1,7 +1,35 @@
 """A one-line progress bar for the RL loop: reward, held-out accuracy and tokens/s, and in the
-overlapped modes the sampler's and trainer's busy fractions (how much they overlap)."""
+overlapped modes the sampler's and trainer's busy fractions (how much they overlap); and a count
+of the programs JAX compiles per step (`time/compiles`)."""
 
 from __future__ import annotations
+
+import jax
+
+# One event per program JAX lowers (a persistent-cache hit is still one): the count of programs.
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+class CompileCounter:
+    """Counts the programs JAX compiles in this process, through `jax.monitoring`. A sampler
+    configuration compiles a stated number of programs once (`rljax.sampling.sampler`), so a
+    step that compiles after the first shows a batch or length leaving its bucket."""
+
+    def __init__(self):
+        self._count = self._taken = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, *_args, **_kw):
+        if event == LOWERING_EVENT:
+            self._count += 1
+
+    def take(self) -> int:
+        """Programs compiled since the last `take` (or since the counter started)."""
+        new, self._taken = self._count - self._taken, self._count
+        return new
+
+    def close(self) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 class Progress:
