@@ -219,3 +219,53 @@ def test_prefill_lowered_for_cuda_contains_the_fused_kernel(cudnn_lowering):
     text = _cuda_text(lambda p, t, m: prompt_forward(cfg, p, t, m), params, tokens, mask)
     assert "__cudnn$fmhaSoftmax" in text
     assert not _square_f32(text, 80)
+
+
+# ----------------------------------------------------------------------------- packed rows
+
+
+def _packed_pair(t_total=24):
+    """Three sequences of lengths 9, 6 and 5 packed end to end into one row of 24 slots (4 of
+    padding), positions restarting at each, and each sequence alone, left-aligned and padded."""
+    rng = np.random.default_rng(3)
+    lengths = (9, 6, 5)
+    seqs = [rng.integers(0, 128, n) for n in lengths]
+    tokens = np.zeros((1, t_total), np.int32)
+    seg = np.zeros((1, t_total), np.int32)
+    pos = np.zeros((1, t_total), np.int32)
+    mask = np.zeros((1, t_total), bool)
+    at = 0
+    for i, s in enumerate(seqs):
+        tokens[0, at:at + len(s)], seg[0, at:at + len(s)] = s, i
+        pos[0, at:at + len(s)], mask[0, at:at + len(s)] = np.arange(len(s)), True
+        at += len(s)
+    alone = np.zeros((3, t_total), np.int32)
+    alone_mask = np.zeros((3, t_total), bool)
+    for i, s in enumerate(seqs):
+        alone[i, :len(s)], alone_mask[i, :len(s)] = s, True
+    return (jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(pos), jnp.asarray(seg),
+            jnp.asarray(alone), jnp.asarray(alone_mask), lengths)
+
+
+@pytest.mark.parametrize("attention,kw", [
+    ("xla", {}),
+    ("xla", dict(sliding_window=4, sliding_window_pattern=2, attn_logit_softcap=5.0)),
+    ("cudnn", {}),
+    ("splash", {}),
+])
+def test_packed_segments_see_only_themselves(attention, kw, xla_for_cudnn):
+    """Three sequences packed into one row (segment ids, positions restarting at 0) give each
+    sequence the hidden states it has alone in its own padded row: f32 to 1e-5 (cuDNN's form in
+    bf16 to 2e-2). Catches cross-talk: without the segment check the second and third sequences
+    see the earlier ones' keys (their restarted positions make those keys look causal), and the
+    test fails on every attention path; also a RoPE that ignores the restarted positions."""
+    cfg, params = _model(attention, **kw)
+    tokens, mask, pos, seg, alone, alone_mask, lengths = _packed_pair()
+    h, _ = hidden_states(cfg, params, tokens, pos, mask, segment_ids_bt=seg)
+    h_alone, _ = hidden_states(cfg.replace(attention="xla"), params, alone, None, alone_mask)
+    tol = 2e-2 if cfg.compute_dtype == "bfloat16" else 1e-5
+    at = 0
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(h[0, at:at + n], np.float32), np.asarray(h_alone[i, :n], np.float32),
+                                   atol=tol, rtol=tol, err_msg=f"segment {i}")
+        at += n

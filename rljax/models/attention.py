@@ -96,30 +96,33 @@ def softcap(x, cap):
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def _visible_softmax(logits_bkgts, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+def _visible_softmax(logits_bkgts, q_pos_bt, k_pos_bs, window, cfg: ModelConfig, q_seg_bt=None, k_seg_bs=None):
     """Soft-capped softmax over the keys each query may see (see `attention`), in f32."""
     logits_bkgts = softcap(logits_bkgts, cfg.attn_logit_softcap)
     dist_bts = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
     visible_bts = (k_pos_bs[:, None, :] >= 0) & (dist_bts >= 0)
     visible_bts &= (window == 0) | (dist_bts < window)
+    if q_seg_bt is not None:
+        visible_bts &= q_seg_bt[:, :, None] == k_seg_bs[:, None, :]
     return jax.nn.softmax(jnp.where(visible_bts[:, None, None], logits_bkgts, _NEG), axis=-1)
 
 
-def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig, q_seg_bt=None, k_seg_bs=None):
     """Causal grouped-query attention over key slots: q, k, v in the compute dtype, scores and
     softmax in f32, the probabilities rounded to v's dtype for the PV product (as FlashAttention
     does), the output accumulated and returned in f32.
 
     A key is visible to a query when it is valid (position >= 0), not in the query's future
-    (k_pos <= q_pos) and, for sliding layers, q_pos - k_pos < window. Positions rather than slot
-    indices carry causality, so left padding and caches work without extra bookkeeping.
+    (k_pos <= q_pos), for sliding layers q_pos - k_pos < window, and, with segment ids (packed
+    rows, whose positions restart in each segment), in the query's own segment. Positions rather
+    than slot indices carry causality, so left padding and caches work without extra bookkeeping.
     """
     b, t, n, h = q_btnh.shape
     kh = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
     logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
                         preferred_element_type=jnp.float32) * cfg.query_scale
-    probs = _visible_softmax(logits, q_pos_bt, k_pos_bs, window, cfg).astype(v_bskh.dtype)
+    probs = _visible_softmax(logits, q_pos_bt, k_pos_bs, window, cfg, q_seg_bt, k_seg_bs).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h)
 
@@ -170,17 +173,20 @@ def roll_rows(x_bt, shift_b):
 # ----------------------------------------------------------------------------- the kernels
 
 
-def cudnn_attention(q_btnh, k_btkh, v_btkh, lengths_b, window: int, cfg: ModelConfig, *,
+def cudnn_attention(q_btnh, k_btkh, v_btkh, lengths_b, window: int, cfg: ModelConfig, *, segments_bt=None,
                     implementation: str = "cudnn"):
     """Causal attention over left-aligned rows through `jax.nn.dot_product_attention`: keys and
     queries [0, lengths_b) of each row are real (cuDNN's PADDING_CAUSAL mask), `window` > 0 a
     left window of window - 1 keys. Returns f32 [B, T, N, H] like `attention` (cuDNN writes
     the compute dtype; the output projection rounds to it anyway).
 
-    `implementation="xla"` runs the same call through JAX's XLA implementation of the API: how
-    the tests check this wrapper's masks on a CPU."""
+    Packed rows (`segments_bt`): the API takes no segment ids, so they reach cuDNN as a boolean
+    [B, 1, T, T] mask (same segment), which it applies as a bias: still fused, but it reads a T^2
+    mask per layer. `implementation="xla"` runs the same call through JAX's XLA implementation
+    of the API: how the tests check this wrapper's masks on a CPU."""
+    mask = None if segments_bt is None else (segments_bt[:, None, :, None] == segments_bt[:, None, None, :])
     out = jax.nn.dot_product_attention(
-        q_btnh, k_btkh, v_btkh, scale=cfg.query_scale, is_causal=True, query_seq_lengths=lengths_b,
+        q_btnh, k_btkh, v_btkh, mask=mask, scale=cfg.query_scale, is_causal=True, query_seq_lengths=lengths_b,
         key_value_seq_lengths=lengths_b, local_window_size=(window - 1, 0) if window else None,
         implementation=implementation)
     return out.astype(jnp.float32)
@@ -201,11 +207,12 @@ def _splash_kernel(num_heads: int, time: int, window: int, cap, interpret: bool)
                                   q_seq_shards=1, attn_logits_soft_cap=cap, interpret=interpret)
 
 
-def splash_attention(q_btnh, k_btkh, v_btkh, valid_bt, window: int, cfg: ModelConfig, *,
+def splash_attention(q_btnh, k_btkh, v_btkh, segments_bt, window: int, cfg: ModelConfig, *,
                      interpret: bool | None = None):
     """Causal attention through the Pallas splash kernel, one row at a time (vmap over B):
-    segment ids keep real tokens (1) and padding (0) apart, the causal or local mask is in slot
-    order, soft-capping is the kernel's. Queries are pre-scaled (the kernel does not scale), the
+    segment ids keep segments apart (a row's real tokens are segment 1 and its padding 0, or a
+    packed row's segments and its padding), the causal or local mask is in slot order,
+    soft-capping is the kernel's. Queries are pre-scaled (the kernel does not scale), the
     time axis is padded to the kernel's block (padding is segment 0). Returns f32 [B, T, N, H].
 
     `interpret` (default: off on TPU, on elsewhere) runs the kernel in Pallas interpret mode, how
@@ -216,7 +223,7 @@ def splash_attention(q_btnh, k_btkh, v_btkh, valid_bt, window: int, cfg: ModelCo
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     pad = (-t) % _SPLASH_BLOCK
     tp = t + pad
-    seg_bt = jnp.pad(valid_bt.astype(jnp.int32), ((0, 0), (0, pad)))
+    seg_bt = jnp.pad(segments_bt.astype(jnp.int32), ((0, 0), (0, pad)))
     q = (q_btnh.astype(jnp.float32) * cfg.query_scale).astype(q_btnh.dtype)
     to_heads = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, heads, T, H]
     kernel = _splash_kernel(n, tp, int(window), cfg.attn_logit_softcap, bool(interpret))
@@ -227,7 +234,8 @@ def splash_attention(q_btnh, k_btkh, v_btkh, valid_bt, window: int, cfg: ModelCo
 
 def fresh_attention(impl: str, windows: tuple[int, ...], cfg: ModelConfig):
     """attend(q, k, v, window_index, rows) for one layer of a full-sequence forward, with `rows`
-    the `hidden_states` row description (positions, key positions, lengths, validity). A kernel
+    the `hidden_states` row description (positions, key positions, lengths, segment ids, and the
+    packed rows' segment ids or None). A kernel
     takes a static window, so where layers differ (Gemma 2's local and global layers, scanned
     with the window as data) the layer switches between one kernel per distinct window."""
     distinct = tuple(sorted(set(windows)))
@@ -235,15 +243,17 @@ def fresh_attention(impl: str, windows: tuple[int, ...], cfg: ModelConfig):
     def one(window: int):
         def run(q, k, v, rows):
             if impl == "cudnn":
-                return cudnn_attention(q, k, v, rows["lengths_b"], window, cfg)
+                return cudnn_attention(q, k, v, rows["lengths_b"], window, cfg, segments_bt=rows["packed_bt"])
             if impl == "splash":
-                return splash_attention(q, k, v, rows["valid_bt"], window, cfg)
-            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window, cfg)
+                return splash_attention(q, k, v, rows["segments_bt"], window, cfg)
+            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window, cfg,
+                                        rows["packed_bt"], rows["packed_bt"])
         return run
 
     def attend(q, k, v, window_index, rows):
         if impl == "xla":  # the reference takes the window as data: one program for every layer
-            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window_index, cfg)
+            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window_index, cfg,
+                                        rows["packed_bt"], rows["packed_bt"])
         if len(distinct) == 1:
             return one(distinct[0])(q, k, v, rows)
         branch = jnp.searchsorted(jnp.asarray(distinct, jnp.int32), window_index)

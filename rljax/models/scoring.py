@@ -358,16 +358,18 @@ def fused_logprobs(h_btd, w_vd, targets_bt, *, temperature: float = 1.0, softcap
 
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_size: int | None = None,
-                   vocab_chunk: int | None = None, remat: bool = False, unroll: bool = False):
+                   vocab_chunk: int | None = None, remat: bool = False, unroll: bool = False, segment_ids_bt=None):
     """Log-prob of each token given its prefix, aligned with `tokens_bt`.
 
     Returns (logp_bt, entropy_bt or None), both [B, T] f32. Column t scores tokens[:, t] under the
     distribution predicted at t - 1; column 0 has no prefix and is 0. The vocabulary projection
     is `fused_logprobs`, chunked by `auto_chunk_size` from the shapes; `chunk_size` (time steps)
     and `vocab_chunk` (vocabulary ids) override its choice (a value >= the dimension: one chunk).
-    `remat` and `unroll` go to `hidden_states`.
+    `remat`, `unroll` and `segment_ids_bt` (packed rows) go to `hidden_states`; in a packed row the
+    first token of each segment is scored from the previous segment's last token (mask it out).
     """
-    h_btd, _ = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll)
+    h_btd, _ = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
+                             segment_ids_bt=segment_ids_bt)
     targets_bt = tokens_bt[:, 1:]
     chunks = auto_chunk_size(*targets_bt.shape, cfg.vocab_size, time_chunk=chunk_size)
     logp, ent = fused_logprobs(h_btd[:, :-1], output_embedding(cfg, params), targets_bt, temperature=temperature,
@@ -396,9 +398,9 @@ def init_value_params(cfg: ModelConfig, policy_params: Params, key: jax.Array, s
 
 
 def values(cfg: ModelConfig, value_params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
-           remat: bool = False, unroll: bool = False):
+           remat: bool = False, unroll: bool = False, segment_ids_bt=None):
     """Per-token values V(s_t) [B, T] f32: a linear head on the final hidden state at t."""
     h_btd, _ = hidden_states(cfg, value_params, tokens_bt, positions_bt, attn_mask_bt, remat=remat,
-                             unroll=unroll)
+                             unroll=unroll, segment_ids_bt=segment_ids_bt)
     v = jnp.einsum("btd,d->bt", h_btd.astype(jnp.float32), value_params["value_head"].astype(jnp.float32))
     return v + value_params["value_bias"].astype(jnp.float32)

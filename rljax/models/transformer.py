@@ -314,7 +314,7 @@ def default_positions(attn_mask_bt):
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
                   cache: Cache | None = None, *, remat: bool = False, unroll: bool = False,
-                  rope_cos_sin=None, kv_attend=None):
+                  rope_cos_sin=None, kv_attend=None, segment_ids_bt=None):
     """Final-normed hidden states [B, T, D] in the compute dtype and the updated cache (None
     without one).
 
@@ -338,6 +338,9 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     `kv_attend(layer_cache, window, positions_bt, q, k, v) -> (out_btnh f32, new layer_cache)`, with
     `cache` a tuple of per-layer caches, replaces the cache write and `cached_attention`: the paged
     layout (`rljax.sampling.paged`) stores keys in pages and attends with a paged kernel.
+    `segment_ids_bt` (int [B, T], cache-free only) packs several sequences into each row: a token
+    attends only within its own segment id, and `positions_bt` should restart at each segment
+    (`rljax.update.packing` builds both).
     """
     b, t = tokens_bt.shape
     dt = cfg.compute_jnp_dtype
@@ -349,8 +352,10 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     positions_bt = positions_bt.astype(jnp.int32)
     if cache is None:
         h, _ = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
-                              rope_cos_sin=rope_cos_sin, return_kv=False)
+                              rope_cos_sin=rope_cos_sin, return_kv=False, segment_ids_bt=segment_ids_bt)
         return h, None
+    if segment_ids_bt is not None:
+        raise ValueError("segment_ids_bt (packed rows) is for the cache-free forward only")
     h = _embed(cfg, params, tokens_bt)
     new_pos_bt = jnp.where(attn_mask_bt, positions_bt, -1)
     windows = cfg.layer_windows()
@@ -396,7 +401,7 @@ def _embed(cfg: ModelConfig, params: Params, tokens_bt):
 
 
 def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, attn_mask_bt, *, remat: bool,
-                   unroll: bool, rope_cos_sin, return_kv: bool):
+                   unroll: bool, rope_cos_sin, return_kv: bool, segment_ids_bt=None):
     """The cache-free forward: every layer in one `lax.scan`, attention by `resolve_attention`.
 
     For cuDNN, whose mask is per-row lengths, the rows are rolled left once so each row's real
@@ -406,10 +411,14 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
     dt = cfg.compute_jnp_dtype
     impl = resolve_attention(cfg)
     shift_b, lengths_b = align_rows(attn_mask_bt)
+    packed = segment_ids_bt is not None
+    # Kernels' segment ids: padding 0, real tokens 1 (or a packed row's segment id + 1).
+    segments_bt = jnp.where(attn_mask_bt, segment_ids_bt + 1, 0) if packed else attn_mask_bt.astype(jnp.int32)
     if impl == "cudnn":
-        tokens_bt, positions_bt, attn_mask_bt = (roll_rows(x, shift_b) for x in (tokens_bt, positions_bt, attn_mask_bt))
+        tokens_bt, positions_bt, attn_mask_bt, segments_bt = (
+            roll_rows(x, shift_b) for x in (tokens_bt, positions_bt, attn_mask_bt, segments_bt))
     rows = {"q_pos_bt": positions_bt, "k_pos_bt": jnp.where(attn_mask_bt, positions_bt, -1),
-            "lengths_b": lengths_b, "valid_bt": attn_mask_bt}
+            "lengths_b": lengths_b, "segments_bt": segments_bt, "packed_bt": segments_bt if packed else None}
     rope_btih = rope_tables(positions_bt, cfg, rope_cos_sin)
     windows = cfg.layer_windows()
     attend_layer = fresh_attention(impl, windows, cfg)
