@@ -154,7 +154,8 @@ def test_the_choice_follows_the_backend_and_the_model():
     the model cannot use is one ConfigError line naming the reason."""
     bf16 = preset("qwen2-test", compute_dtype="bfloat16")
     assert resolve_attention(bf16, "gpu") == "cudnn"
-    assert resolve_attention(bf16, "tpu") == "splash"
+    assert resolve_attention(bf16, "tpu", num_devices=1) == "splash"
+    assert resolve_attention(bf16, "tpu", num_devices=8) == "xla"  # not partitioned: whole batch per device
     assert resolve_attention(bf16, "cpu") == "xla"
     assert resolve_attention(preset("qwen2-test"), "gpu") == "xla"
     capped = bf16.replace(attn_logit_softcap=50.0)

@@ -63,9 +63,21 @@ def cudnn_unsupported(cfg: ModelConfig) -> str | None:
     return None
 
 
-def resolve_attention(cfg: ModelConfig, platform: str | None = None) -> str:
+def splash_unsupported(num_devices: int | None = None) -> str | None:
+    """Why "auto" does not pick splash on a TPU (None when it does): the kernel is a Pallas call,
+    which XLA's partitioner does not split, so under a multi-device mesh it would run the whole
+    batch on every device; it needs a `shard_map` over the batch axes, which the model function
+    does not own. One device: splash."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    if num_devices > 1:
+        return f"splash is not partitioned over {num_devices} devices (single-device only)"
+    return None
+
+
+def resolve_attention(cfg: ModelConfig, platform: str | None = None, num_devices: int | None = None) -> str:
     """The implementation full-sequence attention runs with: `cfg.attention`, or for "auto" the
-    backend's kernel where it serves the model (cuDNN on GPU, splash on TPU), else "xla".
+    backend's kernel where it serves the model (cuDNN on GPU; splash on a single TPU device),
+    else "xla". cuDNN's custom call carries JAX's partitioning rules, so it serves sharded runs.
 
     An explicit "cudnn" that cannot serve the model is a ConfigError naming why; "cudnn" or
     "splash" on another backend runs as asked (a test lowers the cuDNN program on a CPU host)."""
@@ -73,7 +85,7 @@ def resolve_attention(cfg: ModelConfig, platform: str | None = None) -> str:
     if cfg.attention == "auto":
         if platform in ("gpu", "cuda") and cudnn_unsupported(cfg) is None:
             return "cudnn"
-        return "splash" if platform == "tpu" else "xla"
+        return "splash" if platform == "tpu" and splash_unsupported(num_devices) is None else "xla"
     if cfg.attention == "cudnn" and (why := cudnn_unsupported(cfg)):
         raise ConfigError(f"model.attention='cudnn': {why}; use 'auto' or 'xla'")
     return cfg.attention
@@ -86,6 +98,8 @@ def describe_attention(cfg: ModelConfig, platform: str | None = None) -> str:
     line = f"attention: {impl} (model.attention={cfg.attention!r}, backend {platform})"
     if cfg.attention == "auto" and impl == "xla" and platform in ("gpu", "cuda"):
         line += f"; {cudnn_unsupported(cfg)}"
+    if cfg.attention == "auto" and impl == "xla" and platform == "tpu":
+        line += f"; {splash_unsupported()}"
     return line
 
 
