@@ -19,6 +19,7 @@ loader does (`LlamaTensorProcessor._reverse_permute_weights`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -52,32 +53,48 @@ def open_gguf(path: str | os.PathLike):
     """A `gguf.GGUFReader` over `path` (memory-mapped; nothing is dequantised yet).
 
     A missing, truncated or corrupt file is one CheckpointError line: the reader shapes every
-    tensor's bytes at open, so a file cut short fails here, not half-way through a load."""
-    import gguf
-
+    tensor's bytes at open, so a file cut short fails here, not half-way through a load. Readers
+    are cached by (path, size, mtime): parsing a 49k-token vocabulary's metadata takes seconds,
+    and a run reads the config and then the tensors of the same file."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no GGUF file at {str(path)!r}; check the path")
+    stat = path.stat()
+    return _open_gguf(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, size: int, mtime_ns: int):
+    import gguf
+
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/struct.error on bad bytes
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path} is not a complete GGUF file (truncated or corrupt: {detail}); "
                               "re-download or re-convert it") from e
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
-        raise CheckpointError(f"{path} is truncated: its tensors need {end} bytes, the file has "
-                              f"{path.stat().st_size}; re-download or re-convert it")
+    if end > size:
+        raise CheckpointError(f"{path} is truncated: its tensors need {end} bytes, the file has {size}; "
+                              "re-download or re-convert it")
     return reader
 
 
+_LONG_ARRAY = 1024
+
+
 def gguf_metadata(reader) -> dict[str, Any]:
-    """The file's key/value metadata as Python values (strings, numbers, lists)."""
+    """The file's key/value metadata as Python values (strings, numbers, short lists).
+
+    An array longer than 1024 entries (the tokenizer's vocabulary and merges, which
+    `rljax.tokenizers.gguf` reads) is given as its length: decoding 49k strings costs seconds and
+    the model's config needs only the count."""
     out = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
             continue
-        out[name] = field.contents()
+        is_array = field.types and field.types[0].name == "ARRAY"
+        out[name] = len(field.data) if is_array and len(field.data) > _LONG_ARRAY else field.contents()
     return out
 
 
@@ -106,8 +123,8 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         raise CheckpointError(f"GGUF {arch}.attention.head_count_kv={kv_heads!r}: a per-layer head count "
                               "is not supported")
     hidden = int(_need(meta, f"{arch}.embedding_length"))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    vocab = meta.get(f"{arch}.vocab_size", meta.get("tokenizer.ggml.tokens"))
+    vocab = len(vocab) if isinstance(vocab, list) else vocab  # a long vocabulary comes as its length
     if vocab is None:
         raise CheckpointError(f"GGUF metadata lacks {arch + '.vocab_size'!r} and tokenizer.ggml.tokens")
     ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}

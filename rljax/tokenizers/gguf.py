@@ -74,11 +74,19 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 def read_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The `tokenizer.*` metadata of a GGUF file (keys without the `tokenizer.` prefix)."""
+    """The `tokenizer.*` metadata of a GGUF file (keys without the `tokenizer.` prefix), cached by
+    (path, size, mtime): parsing the file's metadata takes seconds, and a run, its export and
+    its evaluation each ask for the tokenizer. Treat the returned dict as read-only."""
+    stat = Path(path).stat()
+    return _read_tokenizer_metadata(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _read_tokenizer_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(path)
     except Exception as e:  # ValueError/IndexError on a truncated file
         raise DataError(f"{path} is not a complete GGUF file ({str(e).splitlines()[0] if str(e) else e!r}); "
                         "re-download or re-convert it") from e
