@@ -24,8 +24,12 @@ class UpdateConfig:
     shapes and the backend by `rljax.models.auto_chunk_size`, so a 150k vocabulary never holds
     [B, T, V]; a chunk is recomputed in the backward pass); `logprob_vocab_chunk` the ids per
     vocabulary chunk (None: automatic; on a CPU split only where one time chunk alone is over
-    budget, on an accelerator every token in one chunk and the vocabulary in exact slices). `log_entropy` reports the policy entropy; with it
-    off and `entropy_coef = 0` the entropy is not computed at all.
+    budget, on an accelerator every token in one chunk and the vocabulary in exact slices).
+    `log_entropy` reports the policy entropy; with it off and `entropy_coef = 0` the entropy is
+    not computed at all.
+    Padding-free (`rljax.update.packing`): `packing` packs each mini-batch's rows end to end into
+    buffers of `pack_length` tokens (default: the row width) and accumulates micro-batches of
+    `max_tokens_per_microbatch` tokens, as many as the rows fill; `num_microbatches` stays 1.
     """
 
     num_epochs: int = bounded(1, ge=1)
@@ -36,6 +40,9 @@ class UpdateConfig:
     logprob_chunk: int | None = bounded(None, ge=1)
     logprob_vocab_chunk: int | None = bounded(None, ge=1)
     log_entropy: bool = True
+    packing: bool = False
+    pack_length: int | None = bounded(None, ge=1)
+    max_tokens_per_microbatch: int | None = bounded(None, ge=1)
 
     def __post_init__(self):
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
@@ -44,6 +51,24 @@ class UpdateConfig:
         for name in ("logprob_chunk", "logprob_vocab_chunk"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1 (or unset: automatic)")
+        if self.packing and self.num_microbatches > 1:
+            raise ConfigError("update.packing sizes micro-batches by tokens (update.max_tokens_per_microbatch); "
+                              f"leave update.num_microbatches at 1, not {self.num_microbatches}")
+
+    def packed_shape(self, rows: int, width: int) -> tuple[int, int]:
+        """(buffers per micro-batch, pack_length) of a packed mini-batch of `rows` rows `width`
+        columns wide: `pack_length` defaults to the width (a row always fits one buffer), and a
+        micro-batch holds `max_tokens_per_microbatch` tokens (default: an eighth of the padded
+        mini-batch, so the last micro-batch wastes at most that)."""
+        length = self.pack_length or width
+        if length < width:
+            raise ConfigError(f"update.pack_length={length} is shorter than the rows ({width} columns): a row "
+                              f"must fit one buffer; set update.pack_length >= {width} or leave it unset")
+        budget = self.max_tokens_per_microbatch or max(1, rows // 8) * length
+        if budget < length:
+            raise ConfigError(f"update.max_tokens_per_microbatch={budget} is under one buffer of "
+                              f"update.pack_length={length} tokens; raise it to >= {length}")
+        return budget // length, length
 
     def chunk_for(self, batch: int, time: int, vocab: int) -> LogprobChunks:
         """The vocabulary-projection chunks (time steps, vocabulary ids) of a [batch, time] scoring

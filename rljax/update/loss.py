@@ -21,6 +21,7 @@ from rljax.objectives.losses import value_loss
 from rljax.objectives.registry import POLICY_LOSSES
 from rljax.update.batch import PreparedBatch, state_values
 from rljax.update.config import UpdateConfig
+from rljax.update.packing import Slab
 
 sg = jax.lax.stop_gradient
 
@@ -34,21 +35,33 @@ def aggregation_denominator(batch: PreparedBatch, algo: AlgorithmConfig, norm_le
 
 
 def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: ModelConfig, algo: AlgorithmConfig,
-                    update_cfg: UpdateConfig, norm_length: int, share: float = 1.0, models=None
-                    ) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
+                    update_cfg: UpdateConfig, norm_length: int, share: float = 1.0, models=None,
+                    slab: Slab | None = None) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
     """Total loss of one micro-batch (numerators over the mini-batch denominator `den`) and its
     metrics: (numerator, denominator) pairs and extremes. `share` is this micro-batch's share of
     the mini-batch (1 / num_microbatches), so loss pairs (num, share * den) sum to the mini-batch's
     own ratio for every aggregation mode. `trainable` is the (policy, critic) params pair, or
-    what `models` maps to it (a LoRA state's `TrainState.models`: adapters onto the frozen base)."""
+    what `models` maps to it (a LoRA state's `TrainState.models`: adapters onto the frozen base).
+
+    With `slab` (a packed micro-batch, `rljax.update.packing`), `batch` is the whole mini-batch:
+    the model runs on the slab's packed buffers, its outputs land on their padded rows, and the
+    loss reads only those rows (the others are masked out)."""
     params, value_params = trainable if models is None else models(trainable)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy
-    lp_chunks = update_cfg.chunk_for(b, t, cfg.vocab_size)
-    logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
-                               chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
-                               unroll=update_cfg.unroll_layers)
+    v_bt = None
+    if slab is None:
+        lp_chunks = update_cfg.chunk_for(b, t, cfg.vocab_size)
+        logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
+                                   chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
+                                   unroll=update_cfg.unroll_layers)
+    else:
+        lp_chunks = update_cfg.chunk_for(slab.buffers, slab.plan.pack_length, cfg.vocab_size)
+        logp, ent, v_bt = slab.scores(cfg, params, value_params if algo.uses_values else None, batch.tokens_bt,
+                                      batch.attn_mask_bt, with_entropy=with_entropy, chunks=lp_chunks,
+                                      remat=update_cfg.remat, unroll=update_cfg.unroll_layers)
+        m = m * slab.rows()[:, None].astype(m.dtype)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
         logp, batch.old_logp_bt, batch.advantages_bt, m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
         dual_clip=algo.dual_clip)
@@ -86,8 +99,9 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
             total = total + algo.kl_coef * num_kl / den
             pairs["loss/kl"] = (sg(num_kl), loss_den)
     if algo.uses_values:
-        v_bt = state_values(cfg, value_params, batch.tokens_bt, batch.attn_mask_bt, remat=update_cfg.remat,
-                            unroll=update_cfg.unroll_layers)
+        if v_bt is None:
+            v_bt = state_values(cfg, value_params, batch.tokens_bt, batch.attn_mask_bt, remat=update_cfg.remat,
+                                unroll=update_cfg.unroll_layers)
         num_vf = agg(value_loss(v_bt, batch.old_values_bt, batch.returns_bt, algo.value_clip))
         total = total + algo.value_coef * num_vf / den
         pairs["loss/value"] = (sg(num_vf), loss_den)

@@ -35,6 +35,7 @@ from rljax.sharding import Layout, sync_weights
 from rljax.update.batch import RolloutBatch, prepare_batch, rows
 from rljax.update.config import UpdateConfig
 from rljax.update.loss import aggregation_denominator, microbatch_loss
+from rljax.update.packing import Slab, pack_rows, pad_fraction
 
 Params = Any
 
@@ -204,10 +205,8 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
 
     lora_dropout = state.lora is not None and state.lora.dropout > 0
 
-    def minibatch(carry, xs):
-        (trainable, opt_state), (mb, mb_key) = carry, xs
-        den = aggregation_denominator(mb, algo, norm_length)
-
+    def microbatches(trainable, mb, mb_key, den):
+        """Gradients and metrics of a mini-batch, accumulated over `num_microbatches` row blocks."""
         def micro(g_acc, xs):
             part, key = xs
             models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
@@ -217,8 +216,44 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
         grads, (pairs, ext) = jax.lax.scan(micro, zeros, (rows(mb, n_micro), jax.random.split(mb_key, n_micro)))
-        pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), pairs)
-        ext = {k: _extreme(k, v) for k, v in ext.items()}
+        return grads, jax.tree.map(lambda x: jnp.sum(x, axis=0), pairs), {k: _extreme(k, v) for k, v in ext.items()}
+
+    def packed_microbatches(trainable, mb, mb_key, den):
+        """The same, over packed micro-batches (`rljax.update.packing`): as many as the rows fill,
+        a loop whose trip count follows the data inside one program."""
+        per, length = sched.packed_shape(mb.tokens_bt.shape[0], mb.tokens_bt.shape[1])
+        plan = pack_rows(mb.attn_mask_bt, mb.loss_mask_bt, length)
+        n_slabs = (plan.num_buffers + per - 1) // per
+
+        def loss_grads(i):
+            key = jax.random.fold_in(mb_key, i)
+            models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
+            return grad_fn(trainable, mb, den, cfg=cfg, algo=algo, update_cfg=sched, norm_length=norm_length,
+                           share=1.0 / jnp.maximum(n_slabs, 1), models=models, slab=Slab(plan, i * per, per))
+
+        def body(i, carry):
+            g_acc, pairs_acc, ext_acc = carry
+            (_, (pairs, ext)), grads = loss_grads(i)
+            ext = {k: jnp.minimum(ext_acc[k], v) if k.endswith("/min") else jnp.maximum(ext_acc[k], v)
+                   for k, v in ext.items()}
+            return jax.tree.map(jnp.add, g_acc, grads), jax.tree.map(jnp.add, pairs_acc, pairs), ext
+
+        (_, (pairs0, ext0)), grads0 = jax.eval_shape(loss_grads, jnp.zeros((), jnp.int32))
+        init = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads0, pairs0))
+                + ({k: jnp.full(v.shape, jnp.inf if k.endswith("/min") else -jnp.inf, v.dtype)
+                    for k, v in ext0.items()},))
+        grads, pairs, ext = jax.lax.fori_loop(0, n_slabs, body, init)
+        before, after = pad_fraction(mb.attn_mask_bt, plan, per)
+        pairs["update/pad_fraction_padded"] = (before, jnp.ones(()))
+        pairs["update/pad_fraction"] = (after, jnp.ones(()))
+        pairs["update/packed_microbatches"] = (n_slabs.astype(jnp.float32), jnp.ones(()))
+        return grads, pairs, ext
+
+    def minibatch(carry, xs):
+        (trainable, opt_state), (mb, mb_key) = carry, xs
+        den = aggregation_denominator(mb, algo, norm_length)
+        accumulate = packed_microbatches if sched.packing else microbatches
+        grads, pairs, ext = accumulate(trainable, mb, mb_key, den)
         pairs["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return (optax.apply_updates(trainable, updates), opt_state), (pairs, ext)

@@ -1,0 +1,163 @@
+"""Padding-free updates: a mini-batch's rows packed end to end into buffers, micro-batches of a
+fixed number of buffers (a token budget), and the loss still computed on the padded rows.
+
+A rollout row is a left-padded prompt and a right-padded completion, `bucket(prompt) +
+max_new_tokens` columns wide; with long-tailed completions most of those columns are padding
+(about three quarters on `bench/longtail.py`'s distribution). Packing (as verl's
+`use_remove_padding`, TRL's `padding_free`, Tunix, AReaL and OpenRLHF do) runs the model on
+
+    buffers [N, pack_length]: each row's real tokens copied to a slot range of one buffer,
+    with the row's own positions (RoPE restarts at each row) and its index as segment id,
+
+so attention stays inside a row (`rljax.models.attention`: the reference masks by segment,
+splash takes segment ids, cuDNN a segment mask), and the per-token outputs (log-probs, entropy,
+values) are gathered back to the padded [B, T] layout. Everything downstream (every policy loss,
+aggregation, KL, value loss, off-policy weight and metric) then runs on the padded rows exactly
+as without packing: packing changes which tokens the model is run on, never what the objective
+reads. Rows are placed first-fit decreasing (longest first, each into the first buffer with
+room; Johnson, 1973), whole: a row never spans two buffers.
+
+Micro-batches are `buffers` consecutive buffers, `update.max_tokens_per_microbatch` tokens;
+their number follows the data (the buffers the rows fill), so the accumulation runs as a loop
+with a data-dependent trip count inside ONE compiled program: no bucket of batch sizes, no
+recompilation when lengths change. Each micro-batch's loss is its rows' numerator over the whole
+mini-batch's denominator (`rljax.update.loss`), so accumulated gradients are the single-batch
+gradient, never a mean of micro-batch means (the error MaxText found in Tunix's ragged
+accumulation).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class PackPlan:
+    """Where each row of a [B, T] mini-batch goes: buffer_b (-1: not packed, the row has no loss
+    token), offset_b (the buffer slot of the row's first real column), start_b (that column),
+    span_b (first to last real column, inclusive; a row's real tokens need not be contiguous),
+    num_buffers (buffers used, a traced scalar). `pack_length` is static."""
+
+    buffer_b: jax.Array
+    offset_b: jax.Array
+    start_b: jax.Array
+    span_b: jax.Array
+    num_buffers: jax.Array
+    pack_length: int = flax.struct.field(pytree_node=False)
+
+
+def pack_rows(attn_mask_bt, loss_mask_bt, pack_length: int) -> PackPlan:
+    """First-fit decreasing placement of every row with a loss token into buffers of
+    `pack_length` slots (traceable; B steps of O(B) work). A row longer than `pack_length` cannot
+    be placed: `pack_length` must be at least the row width (UpdateConfig checks it)."""
+    b, t = attn_mask_bt.shape
+    attn = attn_mask_bt.astype(bool)
+    cols = jnp.arange(t, dtype=jnp.int32)
+    start_b = jnp.min(jnp.where(attn, cols, t), axis=1)
+    last_b = jnp.max(jnp.where(attn, cols, -1), axis=1)
+    trained_b = jnp.any(loss_mask_bt.astype(bool), axis=1) & (last_b >= 0)
+    span_b = jnp.where(trained_b, last_b - start_b + 1, 0).astype(jnp.int32)
+    order = jnp.argsort(-span_b, stable=True)
+
+    def place(i, carry):
+        fill, buffer_b, offset_b = carry
+        r = order[i]
+        need = span_b[r]
+        fits = fill + need <= pack_length
+        slot = jnp.argmax(fits)
+        take = need > 0
+        buffer_b = buffer_b.at[r].set(jnp.where(take, slot, -1))
+        offset_b = offset_b.at[r].set(jnp.where(take, fill[slot], 0))
+        return fill.at[slot].add(jnp.where(take, need, 0)), buffer_b, offset_b
+
+    init = (jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), jnp.int32))
+    _, buffer_b, offset_b = jax.lax.fori_loop(0, b, place, init)
+    return PackPlan(buffer_b=buffer_b, offset_b=offset_b, start_b=start_b.astype(jnp.int32), span_b=span_b,
+                    num_buffers=jnp.max(buffer_b) + 1, pack_length=pack_length)
+
+
+def _slots(plan: PackPlan, t: int, first, buffers: int):
+    """For every (row, column): its (buffer - first, slot) and whether it lands in buffers
+    [first, first + buffers)."""
+    col_t = jnp.arange(t, dtype=jnp.int32)
+    buf_bt = jnp.broadcast_to((plan.buffer_b - first)[:, None], (plan.buffer_b.shape[0], t))
+    slot_bt = plan.offset_b[:, None] + col_t[None, :] - plan.start_b[:, None]
+    inside = (plan.buffer_b[:, None] >= 0) & (buf_bt >= 0) & (buf_bt < buffers)
+    inside &= (slot_bt >= 0) & (slot_bt < plan.offset_b[:, None] + plan.span_b[:, None])
+    return buf_bt, slot_bt, inside
+
+
+def packed_inputs(plan: PackPlan, tokens_bt, positions_bt, attn_mask_bt, first, buffers: int):
+    """Buffers [first, first + buffers) as model inputs, [buffers, pack_length] each: tokens,
+    positions (each row's own), attention mask and segment ids (the row index; padding -1)."""
+    b, t = tokens_bt.shape
+    buf_bt, slot_bt, inside = _slots(plan, t, first, buffers)
+    inside &= attn_mask_bt.astype(bool)
+    buf_bt = jnp.where(inside, buf_bt, buffers)  # out of range: dropped by the scatter
+
+    def scatter(x_bt, fill):
+        empty = jnp.full((buffers, plan.pack_length), fill, x_bt.dtype)
+        return empty.at[buf_bt, slot_bt].set(x_bt, mode="drop")
+
+    rows_bt = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    return (scatter(tokens_bt, 0), scatter(positions_bt.astype(jnp.int32), 0),
+            scatter(attn_mask_bt.astype(bool), False), scatter(rows_bt, -1))
+
+
+def unpack(plan: PackPlan, x_nl, first, t: int):
+    """Per-token outputs of buffers [first, first + n) back to the padded rows, [B, T]; 0 where
+    a column is not in those buffers. Differentiable (a gather)."""
+    n = x_nl.shape[0]
+    buf_bt, slot_bt, inside = _slots(plan, t, first, n)
+    flat = x_nl.reshape(-1)
+    idx = jnp.clip(buf_bt, 0, n - 1) * plan.pack_length + jnp.clip(slot_bt, 0, plan.pack_length - 1)
+    return jnp.where(inside, jnp.take(flat, idx), jnp.zeros((), x_nl.dtype))
+
+
+def rows_in(plan: PackPlan, first, buffers: int):
+    """[B] bool: the rows whose buffer is in [first, first + buffers)."""
+    return (plan.buffer_b >= first) & (plan.buffer_b < first + buffers)
+
+
+def pad_fraction(attn_mask_bt, plan: PackPlan, buffers: int) -> tuple[jax.Array, jax.Array]:
+    """(padding share of the padded [B, T] rows, padding share of the packed micro-batches that
+    run): what packing saves, as `update/pad_fraction_padded|packed`."""
+    real = jnp.sum(attn_mask_bt.astype(jnp.float32))
+    slabs = -(-plan.num_buffers // buffers)
+    packed_slots = (slabs * buffers * plan.pack_length).astype(jnp.float32)
+    return 1.0 - real / attn_mask_bt.size, 1.0 - real / jnp.maximum(packed_slots, 1.0)
+
+
+@flax.struct.dataclass
+class Slab:
+    """One packed micro-batch: buffers [first, first + buffers) of `plan`."""
+
+    plan: PackPlan
+    first: jax.Array
+    buffers: int = flax.struct.field(pytree_node=False)
+
+    def rows(self):
+        return rows_in(self.plan, self.first, self.buffers)
+
+    def scores(self, cfg, params, value_params, tokens_bt, attn_mask_bt, *, with_entropy: bool, chunks,
+               remat: bool, unroll: bool):
+        """(log-probs, entropy or None, state values or None), each [B, T] on the padded rows (0 off
+        this slab's rows), from one forward over the slab's buffers. A row's first real token is
+        scored from the previous row's last token in its buffer; it is a prompt token (outside
+        any loss mask), as in the padded layout, where it is scored from padding."""
+        from rljax.models import default_positions, token_logprobs, values
+
+        t = tokens_bt.shape[1]
+        toks, pos, mask, seg = packed_inputs(self.plan, tokens_bt, default_positions(attn_mask_bt), attn_mask_bt,
+                                             self.first, self.buffers)
+        logp_nl, ent_nl = token_logprobs(cfg, params, toks, mask, pos, with_entropy=with_entropy,
+                                         chunk_size=chunks.time, vocab_chunk=chunks.vocab, remat=remat, unroll=unroll,
+                                         segment_ids_bt=seg)
+        back = lambda x_nl: unpack(self.plan, x_nl, self.first, t)  # noqa: E731
+        state_v = None
+        if value_params is not None:
+            v_nl = values(cfg, value_params, toks, mask, pos, remat=remat, unroll=unroll, segment_ids_bt=seg)
+            state_v = back(jnp.concatenate([jnp.zeros_like(v_nl[:, :1]), v_nl[:, :-1]], axis=1))
+        return back(logp_nl), (None if ent_nl is None else back(ent_nl)), state_v
