@@ -49,6 +49,8 @@ class Progress:
         post = {"reward": f"{metrics['rollout/reward_mean']:.3f}", "tok/s": f"{metrics['time/generated_tokens_per_s']:.0f}"}
         if self._acc is not None:
             post["acc"] = f"{self._acc:.3f}"
+        if "update/pad_fraction" in metrics:  # packed updates: padding share of the rows, then of the buffers
+            post["pad"] = f"{metrics['update/pad_fraction_padded']:.2f}->{metrics['update/pad_fraction']:.2f}"
         if "time/sampler_busy_frac" in metrics:  # overlapped modes: how busy each side was (overlap)
             post["busy s/t"] = f"{metrics['time/sampler_busy_frac']:.2f}/{metrics['time/trainer_busy_frac']:.2f}"
         self._bar.set_postfix(post, refresh=False)
