@@ -100,13 +100,19 @@ def learn(args) -> None:
                "metrics.progress_bar=false", *(LORA if args.lora else []), *args.override]
         print(" ".join(cmd), flush=True)
         t0 = time.perf_counter()
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "train.log"), "w") as log:
-            rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        wall = time.perf_counter() - t0
-        rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))] if rc == 0 else []
+        if args.collect_only:  # summarise a run made before (or still running: its rows so far)
+            rc, wall = None, None
+        else:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "train.log"), "w") as log:
+                rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            wall = round(time.perf_counter() - t0, 1)
+        rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))] if rc in (0, None) else []
+        if rows and wall is None:
+            wall = round(rows[-1]["time"] - rows[0]["time"], 1)  # from the step-0 evaluation on (no start-up)
         curve = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
-        runs[seed] = {"rc": rc, "wall_s": round(wall, 1), "curve": curve,
+        runs[seed] = {"rc": rc, "wall_s": wall, "iterations_done": max((r["step"] for r in rows), default=0),
+                      "curve": curve,
                       "start": curve[0][1] if curve else None, "end": curve[-1][1] if curve else None,
                       "best": max((a for _, a in curve), default=None),
                       "iteration_s_mean": _mean([r.get("time/iteration_s") for r in rows]),
@@ -133,6 +139,7 @@ def main() -> None:
         if name == "learn":
             p.add_argument("--seeds", type=int, nargs="+", default=[0])
             p.add_argument("--lora", action="store_true", help="the LoRA variant: " + " ".join(LORA))
+            p.add_argument("--collect-only", action="store_true", help="only summarise the runs already in runs/")
         if name == "perf":
             p.add_argument("--batch", type=int, default=64)
             p.add_argument("--new-tokens", type=int, default=12)
