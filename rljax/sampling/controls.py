@@ -12,8 +12,9 @@ compiled program.
 
 `decode_phases` is how many cache widths the static loop decodes with (`rljax.sampling.decode`):
 0 picks it by backend, `DECODE_PHASES_CPU` on the CPU, where decode attention reads every slot of
-the cache, and 1 (one loop over the full width) elsewhere, where fewer loops compile faster and a
-decode kernel reads each row's own length. It changes the compiled program, not the tokens.
+the cache, and 1 (one loop over the full width) elsewhere, where fewer loops compile faster (and
+a decode kernel that stops at each row's length reads no empty slot). It changes the compiled
+program, not the tokens.
 
 `scheduler` picks the decode loop: "static" decodes the whole batch until its last row ends (as
 transformers' `generate` does); "continuous" decodes a fixed number of slots and gives a slot whose

@@ -30,8 +30,9 @@ attending only over the slots that can be filled by then, with the cache padded 
 An average step then reads about (2/3 + 1/(3 * 4^(k-1))) N new slots instead of N: 3/4 at k = 2,
 0.69 at k = 3, 2/3 as k grows (doubling from 16 is the limit). Each loop is its own body for
 XLA to compile, so compile time grows with k while the read saved shrinks: k = 1 (one loop over
-the full width, positions -1 masked) is the default where decode attention reads only each row's
-own length (an accelerator's decode kernel), and a small k where it reads every slot (the CPU).
+the full width, positions -1 masked) is the default on accelerators, where a compile costs tens
+of seconds and a decode-attention kernel that stops at each row's length makes the width free,
+and a small k on the CPU, where einsum attention reads every slot.
 `rljax.sampling.controls` picks k per backend; BENCHMARKS.md has the measurements. Whatever k,
 `generate` runs prefill, every phase and the result as ONE compiled program (`sample_static`).
 
