@@ -192,3 +192,22 @@ def test_packed_update_on_a_sharded_mesh_equals_one_device():
         np.testing.assert_allclose(float(metrics[k]), float(v), atol=1e-5, rtol=1e-5, err_msg=k)
     for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_iteration_runs_the_packed_update():
+    """Sample -> verify -> packed update as one compiled iteration (the fused form the default job
+    runs) gives the unpacked iteration's metrics from the same key, with the packing metrics.
+    Catches a packing switch the iteration does not reach."""
+    from rljax.train.iteration import make_iteration
+    from test_iteration import CONTROLS, P, _prompts, reward_callback
+
+    tokens, mask, index = _prompts(3)
+    runs = []
+    for kw in ({}, dict(packing=True, max_tokens_per_microbatch=2 * 12)):
+        state = _state("grpo", **kw)
+        iteration = make_iteration(CONTROLS, reward_callback, num_groups=P)
+        runs.append(iteration(state, tokens, mask, index, jax.random.key(11))[1])
+    padded, packed = runs
+    assert "update/pad_fraction" in packed and "update/pad_fraction" not in padded
+    for k, v in padded.items():
+        _close(packed[k], v, f"iteration metric {k}")
