@@ -79,12 +79,20 @@ def time_steps(cfg: ModelConfig, batch: RolloutBatch, update_cfg: UpdateConfig, 
     return out
 
 
+def _cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "packing.json"))
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()
     cases = {}
 
     cfg = preset("qwen2-tiny")
@@ -112,8 +120,8 @@ def main(argv=None):
         case["packed_over_padded_wall"] = round(case["padded"]["wall_s"] / case["packed"]["wall_s"], 2)
         case["packed_over_padded_cpu"] = round(case["padded"]["cpu_s"] / case["packed"]["cpu_s"], 2)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                          "load_before_after": None},
+              "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+                          "load_before": load_before},
               "versions": {"python": sys.version.split()[0], "jax": jax.__version__},
               "cases": cases}
     result["machine"]["load_after"] = os.getloadavg()
