@@ -120,8 +120,32 @@ def learn(args) -> None:
         if curve:
             runs[seed]["gain_points"] = round(100 * (curve[-1][1] - curve[0][1]), 2)
         print(json.dumps({k: v for k, v in runs[seed].items() if k != "reward_curve"}), flush=True)
+    plot(runs, os.path.join(HERE, "results", f"real_model_learning_{tag}.png"), tag)
     record(f"learn_{tag}", {"machine": machine(), "recipe": RECIPE, "lora": args.lora,
                             "overrides": (LORA if args.lora else []) + args.override, "runs": runs})
+
+
+def plot(runs: dict, path: str, title: str) -> None:
+    """Held-out greedy accuracy (markers) and the sampled reward per iteration, per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for seed, r in runs.items():
+        if r["curve"]:
+            ax.plot(*zip(*r["curve"]), "o-", label=f"held-out greedy accuracy, seed {seed}")
+        if r["reward_curve"]:
+            ax.plot(*zip(*r["reward_curve"]), alpha=0.5, label=f"sampled reward (T=1), seed {seed}")
+    ax.set_xlabel("RL iteration (8 prompts x 8 samples)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"SmolLM2-135M-Instruct, smollm2_arith ({title})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def _mean(xs):
