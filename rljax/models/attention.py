@@ -39,7 +39,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rljax.errors import ConfigError
 from rljax.models.config import ModelConfig
@@ -233,7 +232,7 @@ def splash_attention(q_btnh, k_btkh, v_btkh, segments_bt, window: int, cfg: Mode
     the tests run it on a CPU."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    b, t, n, h = q_btnh.shape
+    t, n = q_btnh.shape[1:3]
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     pad = (-t) % _SPLASH_BLOCK
     tp = t + pad

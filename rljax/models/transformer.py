@@ -447,7 +447,7 @@ def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, pos
     where one serves), returning (hidden states [B, P, D], a KV cache of exactly P slots holding
     its keys and values, index P): what `hidden_states` with an empty P-slot cache returns, with
     the attention of the training forward instead of `cached_attention`."""
-    b, p = tokens_bt.shape
+    p = tokens_bt.shape[1]
     attn_mask_bt = attn_mask_bt.astype(bool)
     positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt.astype(jnp.int32)
     h, (k_lbtkh, v_lbtkh) = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=False,
