@@ -198,6 +198,9 @@ def cudnn_attention(q_btnh, k_btkh, v_btkh, lengths_b, window: int, cfg: ModelCo
     mask per layer. `implementation="xla"` runs the same call through JAX's XLA implementation
     of the API: how the tests check this wrapper's masks on a CPU."""
     mask = None if segments_bt is None else (segments_bt[:, None, :, None] == segments_bt[:, None, None, :])
+    # A row with no real token (a filler) attends to its first slot instead of to nothing: finite,
+    # and masked out downstream, where an empty softmax could write NaN into the loss's products.
+    lengths_b = jnp.maximum(lengths_b, 1)
     out = jax.nn.dot_product_attention(
         q_btnh, k_btkh, v_btkh, mask=mask, scale=cfg.query_scale, is_causal=True, query_seq_lengths=lengths_b,
         key_value_seq_lengths=lengths_b, local_window_size=(window - 1, 0) if window else None,
