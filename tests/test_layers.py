@@ -24,7 +24,7 @@ LAYERS = {
     "sampling": 1, "update": 1, "data": 1, "checkpoint": 1, "sharding": 1, "envs": 1,
     "evaluation": 2,
     "train": 3, "plan": 3,
-    "cli": CLI, "__main__": CLI,
+    "cli": CLI, "__main__": CLI, "quiet": CLI,
 }
 LAYER_NAMES = ("foundations", "stages", "evaluation", "training loop", "command line")
 
