@@ -351,3 +351,29 @@ def test_scanned_layers_save_no_f32_mlp_stack_in_bf16():
     text = jax.jit(jax.grad(lambda p: M.token_logprobs(cfg, p, tokens)[0].sum())).lower(params).as_text()
     assert not re.findall(r"tensor<3x2x16x144xf32>", text)
     assert re.findall(r"tensor<3x2x16x144xbf16>", text)  # the bf16 stacks it saves instead
+
+
+def test_unrolled_layers_keep_no_stacked_residuals():
+    """The trained forward unrolls its layers by default on GPU and TPU (`UpdateConfig.unroll_layers`
+    unset) and scans them on a CPU; an explicit setting wins. Compiled, the scanned gradient
+    allocates its saved MLP inputs as [L, B, T, F] stacks (zero-filled, then written layer by
+    layer: what the H200 trace found copied whole per micro-batch); the unrolled one has no such
+    stack. Catches an "auto" that never unrolls on an accelerator."""
+    import re
+
+    from rljax.update import UpdateConfig
+
+    assert UpdateConfig().layers_unrolled("gpu") and UpdateConfig().layers_unrolled("tpu")
+    assert not UpdateConfig().layers_unrolled("cpu")
+    assert not UpdateConfig(unroll_layers=False).layers_unrolled("gpu")
+    assert UpdateConfig(unroll_layers=True).layers_unrolled("cpu")
+    cfg = M.preset("qwen2-test", num_layers=3, compute_dtype="bfloat16", param_dtype="bfloat16",
+                   intermediate_size=144)
+    params = M.init_params(cfg, jax.random.key(0))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    stacks = {}
+    for unroll in (False, True):
+        loss = lambda p, unroll=unroll: M.token_logprobs(cfg, p, tokens, unroll=unroll)[0].sum()
+        text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+        stacks[unroll] = len(re.findall(r"= (?:bf16|f32)\[3,2,16,144\]\{[0-9,]+\} broadcast\(", text))
+    assert stacks[False] >= 1 and stacks[True] == 0, stacks

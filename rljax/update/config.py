@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.models import LogprobChunks, auto_chunk_size
+from rljax.models.scoring import ACCELERATORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +22,11 @@ class UpdateConfig:
     Compilation: `remat` recomputes layer activations in the backward pass (less memory, more
     compute); `unroll_layers` unrolls the layer scan of the trained forward (XLA can then fuse
     across layer boundaries and schedule each layer's matmuls on their own; compiles take longer;
-    see `rljax.models.hidden_states` and BENCHMARKS.md).
+    see `rljax.models.hidden_states` and BENCHMARKS.md). Unset, it is on for GPU and TPU and off
+    on a CPU (`layers_unrolled`): a scanned forward saves its residuals as [L, ...] stacks that
+    XLA zero-fills and copies whole once per micro-batch (12% of the H200 step in the trace that
+    opened issue 35), where an unrolled one keeps each layer's own buffers; on a CPU the scan's
+    shorter compile wins and the stacks cost little.
     Scoring: `logprob_chunk` is the time-chunk of the vocabulary projection (None: chosen from the
     shapes and the backend by `rljax.models.auto_chunk_size`, so a 150k vocabulary never holds
     [B, T, V]; a chunk is recomputed in the backward pass); `logprob_vocab_chunk` the ids per
@@ -36,7 +43,7 @@ class UpdateConfig:
     num_minibatches: int = bounded(1, ge=1)
     num_microbatches: int = bounded(1, ge=1)
     remat: bool = False
-    unroll_layers: bool = False
+    unroll_layers: bool | None = None
     logprob_chunk: int | None = bounded(None, ge=1)
     logprob_vocab_chunk: int | None = bounded(None, ge=1)
     log_entropy: bool = True
@@ -54,6 +61,13 @@ class UpdateConfig:
         if self.packing and self.num_microbatches > 1:
             raise ConfigError("update.packing sizes micro-batches by tokens (update.max_tokens_per_microbatch); "
                               f"leave update.num_microbatches at 1, not {self.num_microbatches}")
+
+    def layers_unrolled(self, platform: str | None = None) -> bool:
+        """Whether the trained forward unrolls its layers: `unroll_layers`, or when unset, on a GPU
+        or TPU (see the class docstring)."""
+        if self.unroll_layers is not None:
+            return self.unroll_layers
+        return (platform or jax.default_backend()) in ACCELERATORS
 
     def packed_shape(self, rows: int, width: int) -> tuple[int, int]:
         """(buffers per micro-batch, pack_length) of a packed mini-batch of `rows` rows `width`

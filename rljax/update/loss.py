@@ -55,12 +55,12 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         lp_chunks = update_cfg.chunk_for(b, t, cfg.vocab_size)
         logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
                                    chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
-                                   unroll=update_cfg.unroll_layers)
+                                   unroll=update_cfg.layers_unrolled())
     else:
         lp_chunks = update_cfg.chunk_for(slab.buffers, slab.plan.pack_length, cfg.vocab_size)
         logp, ent, v_bt = slab.scores(cfg, params, value_params if algo.uses_values else None, batch.tokens_bt,
                                       batch.attn_mask_bt, with_entropy=with_entropy, chunks=lp_chunks,
-                                      remat=update_cfg.remat, unroll=update_cfg.unroll_layers)
+                                      remat=update_cfg.remat, unroll=update_cfg.layers_unrolled())
         m = m * slab.rows()[:, None].astype(m.dtype)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
         logp, batch.old_logp_bt, batch.advantages_bt, m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
@@ -101,7 +101,7 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     if algo.uses_values:
         if v_bt is None:
             v_bt = state_values(cfg, value_params, batch.tokens_bt, batch.attn_mask_bt, remat=update_cfg.remat,
-                                unroll=update_cfg.unroll_layers)
+                                unroll=update_cfg.layers_unrolled())
         num_vf = agg(value_loss(v_bt, batch.old_values_bt, batch.returns_bt, algo.value_clip))
         total = total + algo.value_coef * num_vf / den
         pairs["loss/value"] = (sg(num_vf), loss_den)
