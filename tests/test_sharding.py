@@ -344,7 +344,12 @@ def test_sampler_on_sharded_params_equals_one_device(layout_name):
     kwargs = dict(key=jax.random.key(5), controls=SampleControls(max_new_tokens=6, num_samples=2))
     ref = generate(cfg, params, prompts, mask, **kwargs)
     layout = sharding.sampler_layout(sharding.make_mesh(sharding.MeshConfig(*w.LAYOUTS[layout_name])))
-    got = generate(cfg, sharding.shard_params(params, layout.mesh, fsdp=False), prompts, mask, **kwargs)
+    # Not written to the persistent compilation cache: in the full suite (two xdist workers)
+    # jaxlib 0.10.2 segfaulted in `executable.serialize()` for the fsdp4_tp2 sampler program, in
+    # two clean-clone runs out of two (alone, it serialises fine); the comparison is the test.
+    from jax._src.config import persistent_cache_min_compile_time_secs as min_cache_secs
+    with min_cache_secs(1e9):
+        got = generate(cfg, sharding.shard_params(params, layout.mesh, fsdp=False), prompts, mask, **kwargs)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
     _close((got.logprobs, got.sampling_logprobs), (ref.logprobs, ref.sampling_logprobs))
