@@ -270,3 +270,114 @@ def test_packed_segments_see_only_themselves(attention, kw, xla_for_cudnn):
         np.testing.assert_allclose(np.asarray(h[0, at:at + n], np.float32), np.asarray(h_alone[i, :n], np.float32),
                                    atol=tol, rtol=tol, err_msg=f"segment {i}")
         at += n
+
+
+# ----------------------------------------------------------------------------- the decode kernel
+
+
+def _cache_rows(slots: int, dtype, b=4, n=4, k=2, h=16, seed=3):
+    """One decode step's operands: q [B, 1, N, H], keys and values [B, K, S, H], and each row's
+    valid slots as key positions (-1 outside [start, end)): a full row, a left-padded one, a row
+    whose only key is the current token, and one with empty slots after its end."""
+    rng = np.random.default_rng(seed)
+    make = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32).astype(dtype)
+    spans = [(0, slots), (5, slots - 3), (slots - 1, slots), (2, slots // 2)][:b]
+    slot = np.arange(slots)
+    k_pos = np.stack([np.where((slot >= lo) & (slot < hi), slot - lo, -1) for lo, hi in spans])
+    q_pos = np.array([hi - 1 - lo for lo, hi in spans])
+    end = np.array([hi for _, hi in spans], np.int32)
+    return make(b, 1, n, h), make(b, k, slots, h), make(b, k, slots, h), jnp.asarray(k_pos), jnp.asarray(q_pos), end
+
+
+@pytest.mark.parametrize("slots", [64, 40])  # 40: not a multiple of the kernel's 16-slot block, padded
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 7.8e-3)])
+def test_decode_kernel_equals_cached_attention(slots, dtype, tol):
+    """The Pallas GPU decode kernel (interpret mode) over each row's valid range equals
+    `cached_attention` over the same cache, on ragged ranges, grouped heads (4 query, 2 kv).
+
+    Catches: a range starting at slot 0 (attends left padding), ending at the write index
+    instead of after it (misses the current token), a wrong split of the key axis, the scale
+    not applied. bf16: the kernel writes each split's output in bf16 and merges the splits in
+    bf16 (the reference keeps f32 outputs); 7.8e-3 is one bf16 ulp at the outputs' largest
+    magnitude (2 to 2.6); measured 0.0029 (64 slots) and 0.0047 (40). f32: measured 5e-7."""
+    cfg = preset("qwen2-test", decode_attention="pallas")
+    q, k, v, k_pos, q_pos, end = _cache_rows(slots, dtype)
+    start_b, end_b = attn_mod.valid_range(k_pos, end)
+    np.testing.assert_array_equal(np.asarray(start_b), [0, 5, slots - 1, 2])
+    got = attn_mod.decode_attention(q, k, v, start_b, end_b, cfg)
+    want = attn_mod.cached_attention(q, k.transpose(0, 1, 3, 2), v, q_pos[:, None], k_pos, 0, cfg)
+    assert got.shape == want.shape == (4, 1, 4, 16) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=0)
+    same = attn_mod.cached_attention(q, k, v, q_pos[:, None], k_pos, 0, cfg, "bksh")  # the layout's einsum
+    np.testing.assert_allclose(np.asarray(same), np.asarray(want), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scheduler,extra", [
+    ("static", {}),
+    ("continuous", {}),
+    ("continuous", {"kv_layout": "paged", "max_total_tokens": 320, "page_size": 8}),
+])
+def test_samplers_with_the_decode_kernel_equal_the_reference(scheduler, extra):
+    """Every scheduler decodes through the kernel (keys stored [B, K, S, H], the kernel's
+    layout; interpret mode) and draws the same tokens as the einsum path, with log-probs within
+    1e-5 (f32), on left-padded prompts. The three build their caches differently (static:
+    prefill then widen; continuous: prompts copied from a pool into slots; paged: pages gathered
+    into a view), so each checks that its valid keys form the one range the kernel reads."""
+    from rljax.sampling import SampleControls, generate
+    cfg = preset("qwen2-test")
+    params = init_params(cfg, jax.random.key(3))
+    rng = np.random.default_rng(2)
+    prompts = rng.integers(1, cfg.vocab_size, (3, 7)).astype(np.int32)
+    mask = np.ones((3, 7), bool)
+    mask[0, :3] = mask[2, :5] = False
+    controls = SampleControls(max_new_tokens=12, num_samples=2, temperature=0.8, top_k=20, scheduler=scheduler,
+                              **extra)
+    ref = generate(cfg, params, prompts, mask, key=jax.random.key(7), controls=controls)
+    got = generate(cfg.replace(decode_attention="pallas"), params, prompts, mask, key=jax.random.key(7),
+                   controls=controls)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5, rtol=0)
+
+
+def test_the_decode_choice_follows_the_backend_and_the_model():
+    """"auto" decodes with the Pallas kernel on one GPU, with XLA on a CPU, on a multi-GPU mesh
+    (a Pallas call is not partitioned) and for models the kernel cannot serve (soft-cap, sliding
+    windows, head_dim not a power of two), saying why; the key cache's layout follows the
+    choice; an explicit "pallas" the model cannot use is one ConfigError line."""
+    from rljax.models.transformer import cache_slot_axes
+    cfg = preset("qwen2-test")
+    assert attn_mod.resolve_decode_attention(cfg, "gpu", num_devices=1) == "pallas"
+    assert attn_mod.resolve_decode_attention(cfg, "gpu", num_devices=8) == "xla"
+    assert attn_mod.resolve_decode_attention(cfg, "cpu", num_devices=1) == "xla"
+    assert attn_mod.resolve_decode_attention(cfg.replace(decode_attention="xla"), "gpu", num_devices=1) == "xla"
+    for why, bad in [("soft-cap", dict(attn_logit_softcap=50.0)), ("sliding window", dict(sliding_window=8, sliding_window_pattern=2)),
+                     ("power-of-two", dict(head_dim=24))]:
+        assert attn_mod.resolve_decode_attention(cfg.replace(**bad), "gpu", num_devices=1) == "xla"
+        with pytest.raises(ConfigError, match=why):
+            attn_mod.resolve_decode_attention(cfg.replace(decode_attention="pallas", **bad), "gpu")
+    assert "decode: xla" in describe_attention(cfg, "cpu")
+    pallas = cfg.replace(decode_attention="pallas")
+    assert init_cache(pallas, 2, 24)["layers"][0]["k"].shape == (2, 2, 24, 16)
+    assert cache_slot_axes(pallas) == {"k": 2, "v": 2} and cache_slot_axes(cfg) == {"k": 3, "v": 2}
+    assert init_cache(cfg, 2, 24)["layers"][0]["k"].shape == (2, 2, 16, 24)
+    with pytest.raises(ConfigError, match="decode_attention="):
+        preset("qwen2-test", decode_attention="flash")
+
+
+def test_decode_step_lowered_for_cuda_runs_the_kernel(monkeypatch):
+    """A decode step lowered for cuda with the kernel calls Triton (Pallas' GPU backend) once per
+    layer and holds no f32 score row over the cache's S = 80 slots; the einsum path does. Catches
+    the kernel path not taken for a one-token step, or the scores still materialised."""
+    monkeypatch.setattr(attn_mod, "_interpret_here", lambda platform: False)
+    cache_width = 80  # no other dimension of the test model is 80
+    texts = {}
+    for impl in ("pallas", "xla"):
+        cfg = preset("qwen2-test", compute_dtype="bfloat16", decode_attention=impl)
+        params = init_params(cfg, jax.random.key(0))
+        cache = init_cache(cfg, 4, cache_width)
+        step = lambda p, c, tok: hidden_states(cfg, p, tok, jnp.zeros((4, 1), jnp.int32), None, c)[0]
+        texts[impl] = _cuda_text(step, params, cache, jnp.zeros((4, 1), jnp.int32))
+    scores = lambda text: [m for m in re.findall(r"tensor<([0-9x]+)xf32>", text) if m.split("x")[-1] == "80"]
+    assert texts["pallas"].count("__gpu$xla.gpu.triton") == preset("qwen2-test").num_layers
+    assert not scores(texts["pallas"]), scores(texts["pallas"])[:3]
+    assert "__gpu$xla.gpu.triton" not in texts["xla"] and scores(texts["xla"])

@@ -329,15 +329,7 @@ def test_sharded_update_step_equals_one_device(layout_name, update_reference):
     assert len(moments) == 1 and moments[0].sharding == state_sh.params["layers"]["q"]
 
 
-# The tensor-parallel layouts are skipped: in three full two-worker clean-clone runs on 2026-11-26
-# XLA:CPU (jaxlib 0.10.2, -O0) segfaulted compiling or serialising the one-program static sampler
-# on fsdp4_tp2 (twice) and dp2_fsdp2_tp2 (once); alone, and with this file alone, they pass.
-# To investigate (issue 36), not to forget.
-_SAMPLER_LAYOUTS = [pytest.param(name, marks=pytest.mark.skip(reason="XLA:CPU segfault under xdist, see above"))
-                    if "tp2" in name else name for name in w.LAYOUTS]
-
-
-@pytest.mark.parametrize("layout_name", _SAMPLER_LAYOUTS)
+@pytest.mark.parametrize("layout_name", w.LAYOUTS)
 def test_sampler_on_sharded_params_equals_one_device(layout_name):
     """rljax.sampling.generate on params in the sampler layout (tensor-parallel heads, no FSDP) draws
     the same tokens with the same log-probs (<= 1e-5) as on one device (temperature 1, 2 samples).

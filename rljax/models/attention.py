@@ -29,8 +29,22 @@ positions directly. Soft-capping: splash applies it, cuDNN cannot, so "auto" kee
 XLA on a GPU and "cudnn" refuses it. Sliding windows: both kernels take a left window of
 `window - 1` keys (q_pos - k_pos < window).
 
-The KV-cached path (decode steps, multi-turn appends) stays on `cached_attention`: one query
-row per step over the cache, in the cache's transposed key layout.
+Decode. `model.decode_attention` picks how a one-token decode step attends over the KV cache
+(`resolve_decode_attention`):
+
+    xla     `cached_attention` below: einsums over every cache slot, with keys stored transposed,
+            [B, K, H, S], so q @ K^T is a plain row-major matmul (the CPU's choice).
+    pallas  JAX's Pallas GPU decode-attention kernel (`jax.experimental.pallas.ops.gpu.
+            decode_attention`, split-K flash decoding: Dao et al., 2023, "Flash-Decoding"): each
+            (row, kv head) reads only its valid slots [start, end), in key blocks, with an online
+            softmax, and the splits are merged. Keys are then stored [B, K, S, H], like values,
+            the layout the kernel reads without a transpose (`key_cache_layout`).
+
+The kernel takes a valid range per row rather than a mask: every cache this package builds keeps
+a row's valid keys contiguous (a left-padded prompt, then the decoded tokens; the continuous and
+paged schedulers' views likewise), so start = the first slot with a position >= 0 and end = the
+write index after this step. No soft-cap and no sliding window (the kernel has neither), so "auto"
+keeps such models, and multi-token appends (multi-turn, chunked prefill), on the reference.
 """
 
 from __future__ import annotations
@@ -90,6 +104,39 @@ def resolve_attention(cfg: ModelConfig, platform: str | None = None, num_devices
     return cfg.attention
 
 
+def pallas_decode_unsupported(cfg: ModelConfig) -> str | None:
+    """Why the Pallas GPU decode kernel cannot serve `cfg` (None when it can): it has no logit
+    soft-cap and no sliding window, and its blocks need a power-of-two head_dim >= 16."""
+    if cfg.attn_logit_softcap is not None:
+        return "the Pallas decode kernel has no attention-logit soft-cap (Gemma 2)"
+    if any(cfg.layer_windows()):
+        return "the Pallas decode kernel has no sliding window"
+    if cfg.head_dim < 16 or cfg.head_dim & (cfg.head_dim - 1):
+        return f"the Pallas decode kernel needs a power-of-two head_dim >= 16 (got {cfg.head_dim})"
+    return None
+
+
+def resolve_decode_attention(cfg: ModelConfig, platform: str | None = None, num_devices: int | None = None) -> str:
+    """How a decode step attends over the KV cache: `cfg.decode_attention`, or for "auto" the
+    Pallas kernel on a single GPU where it serves the model, else "xla" (a Pallas call is not
+    partitioned: see `splash_unsupported`). An explicit "pallas" that cannot serve the model is a
+    ConfigError; on a CPU it runs in Pallas interpret mode (how the tests run it)."""
+    platform = platform or jax.default_backend()
+    if cfg.decode_attention == "auto":
+        num_devices = jax.device_count() if num_devices is None else num_devices
+        ok = platform in ("gpu", "cuda") and num_devices == 1 and pallas_decode_unsupported(cfg) is None
+        return "pallas" if ok else "xla"
+    if cfg.decode_attention == "pallas" and (why := pallas_decode_unsupported(cfg)):
+        raise ConfigError(f"model.decode_attention='pallas': {why}; use 'auto' or 'xla'")
+    return cfg.decode_attention
+
+
+def key_cache_layout(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The key cache's axis order: "bksh" (like values) for the Pallas kernel, which reads key
+    blocks [block, H]; "bkhs" (transposed) for the einsum path (see `cached_attention`)."""
+    return "bksh" if resolve_decode_attention(cfg, platform) == "pallas" else "bkhs"
+
+
 def describe_attention(cfg: ModelConfig, platform: str | None = None) -> str:
     """One line for the run log: the implementation chosen, and why when "auto" fell back."""
     platform = platform or jax.default_backend()
@@ -99,6 +146,10 @@ def describe_attention(cfg: ModelConfig, platform: str | None = None) -> str:
         line += f"; {cudnn_unsupported(cfg)}"
     if cfg.attention == "auto" and impl == "xla" and platform == "tpu":
         line += f"; {splash_unsupported()}"
+    decode = resolve_decode_attention(cfg, platform)
+    line += f"; decode: {decode} (model.decode_attention={cfg.decode_attention!r})"
+    if cfg.decode_attention == "auto" and decode == "xla" and platform in ("gpu", "cuda"):
+        line += f"; {pallas_decode_unsupported(cfg) or splash_unsupported().replace('splash', 'the decode kernel')}"
     return line
 
 
@@ -147,16 +198,17 @@ def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConf
 attention_recomputed = jax.checkpoint(attention, static_argnums=(6,))
 
 
-def cached_attention(q_btnh, k_bkhs, v_bksh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig):
+def cached_attention(q_btnh, k_cache, v_bksh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig, key_layout="bkhs"):
     """`attention` over a KV cache that stores keys transposed, [B, K, H, S], and values as
     [B, K, S, H]: both einsums are then plain row-major batched matmuls over (b, k) (q @ K^T reads
     keys with slots contiguous), so neither transposes the cache, the big operand, per step.
-    Stored [B, K, S, H], keys would be read transposed by q @ K^T at every step."""
+    Stored [B, K, S, H] (`key_layout="bksh"`, the Pallas kernel's layout), keys are read
+    transposed by q @ K^T: how a multi-token append attends in that layout."""
     b, t, n, h = q_btnh.shape
-    kh = k_bkhs.shape[1]
+    kh = k_cache.shape[1]
     q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
-    logits = jnp.einsum("bkqh,bkhs->bkqs", q_bkqh, k_bkhs,
-                        preferred_element_type=jnp.float32) * cfg.query_scale
+    spec = "bkqh,bkhs->bkqs" if key_layout == "bkhs" else "bkqh,bksh->bkqs"
+    logits = jnp.einsum(spec, q_bkqh, k_cache, preferred_element_type=jnp.float32) * cfg.query_scale
     probs = _visible_softmax(logits.reshape(b, kh, n // kh, t, -1), q_pos_bt, k_pos_bs, window, cfg)
     probs = probs.astype(v_bksh.dtype).reshape(b, kh, -1, v_bksh.shape[2])
     out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh, preferred_element_type=jnp.float32)
@@ -184,6 +236,12 @@ def roll_rows(x_bt, shift_b):
 
 
 # ----------------------------------------------------------------------------- the kernels
+
+
+def _interpret_here(platform: str) -> bool:
+    """Whether a Pallas kernel written for `platform` ("gpu" or "tpu") must run in interpret mode
+    here: off its platform. (The cuda-lowering tests replace this to emit the real kernel.)"""
+    return jax.default_backend() != platform
 
 
 def cudnn_attention(q_btnh, k_btkh, v_btkh, lengths_b, window: int, cfg: ModelConfig, *, segments_bt=None,
@@ -236,7 +294,7 @@ def splash_attention(q_btnh, k_btkh, v_btkh, segments_bt, window: int, cfg: Mode
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     t, n = q_btnh.shape[1:3]
-    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    interpret = _interpret_here("tpu") if interpret is None else interpret
     pad = (-t) % _SPLASH_BLOCK
     tp = t + pad
     seg_bt = jnp.pad(segments_bt.astype(jnp.int32), ((0, 0), (0, pad)))
@@ -277,3 +335,53 @@ def fresh_attention(impl: str, windows: tuple[int, ...], cfg: ModelConfig):
 
     return attend
 
+
+# ----------------------------------------------------------------------------- the decode kernel
+
+
+def valid_range(k_pos_bs, end_b):
+    """(start_b, end_b) of each row's valid cache slots for `decode_attention`: start at the first
+    slot holding a key (position >= 0), end at the write index after this step. A row with no key
+    gets [0, 1): one finite, ignored output instead of an empty softmax."""
+    has_b = jnp.any(k_pos_bs >= 0, axis=1)
+    start_b = jnp.where(has_b, jnp.argmax(k_pos_bs >= 0, axis=1), 0).astype(jnp.int32)
+    end_b = jnp.broadcast_to(jnp.asarray(end_b, jnp.int32), start_b.shape)
+    return start_b, jnp.where(has_b, end_b, 1)
+
+
+def _decode_split(slots: int) -> tuple[int, int, int]:
+    """(padded slots, k_splits, block_k) for the Pallas decode kernel: slots padded to a multiple
+    of 16 (the kernel's least block), split into up to 16 parts of >= 16 slots (Flash-Decoding's
+    parallelism over the key axis), each part a whole number of blocks of up to 128 slots."""
+    padded = -(-slots // 16) * 16
+    splits = max(s for s in range(1, 17) if padded % s == 0 and (padded // s) % 16 == 0)
+    part = padded // splits
+    block = max(b for b in (16, 32, 64, 128) if part % b == 0)
+    return padded, splits, block
+
+
+def decode_attention(q_b1nh, k_bksh, v_bksh, start_b, end_b, cfg: ModelConfig, *, interpret: bool | None = None):
+    """One decode step's attention through the Pallas GPU decode kernel: the query of each row
+    attends over its cache slots [start_b, end_b) (see `valid_range`); keys and values [B, K, S, H].
+    Returns f32 [B, 1, N, H] like `cached_attention`. The cache width is padded to the kernel's
+    16-slot granularity only when it is not already a multiple (the samplers' widths are).
+
+    `interpret` (default: off on a GPU, on elsewhere) runs the kernel in Pallas interpret mode,
+    how the tests check it against `cached_attention` on a CPU."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+
+    interpret = _interpret_here("gpu") if interpret is None else interpret
+    b, _, n, h = q_b1nh.shape
+    kh, s = k_bksh.shape[1], k_bksh.shape[2]
+    padded, splits, block = _decode_split(s)
+    if padded != s:
+        pad = ((0, 0), (0, 0), (0, padded - s), (0, 0))
+        k_bksh, v_bksh = jnp.pad(k_bksh, pad), jnp.pad(v_bksh, pad)
+    q_bkgh = q_b1nh.reshape(b, kh, n // kh, h)
+    head = functools.partial(pallas_decode.decode_attn_unbatched, sm_scale=float(cfg.query_scale),
+                             block_h=16, block_k=block, k_splits=splits, num_warps=None, num_stages=2,
+                             grid=None, interpret=bool(interpret), debug=False, return_residuals=False,
+                             normalize_output=True)
+    per_head = jax.vmap(head, in_axes=(0, 0, 0, None, None))  # over kv heads: one range per row
+    out_bkgh = jax.vmap(per_head)(q_bkgh, k_bksh, v_bksh, start_b, end_b)
+    return out_bkgh.reshape(b, 1, n, h).astype(jnp.float32)

@@ -19,6 +19,7 @@ _ACTIVATIONS = ("silu", "gelu_tanh")
 _ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+DECODE_ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,8 @@ class ModelConfig:
     # How attention runs (not part of the architecture, never written to config.json): see
     # `rljax.models.attention.resolve_attention`.
     attention: str = "auto"
+    # How a decode step attends over the KV cache: `rljax.models.attention.resolve_decode_attention`.
+    decode_attention: str = "auto"
 
     def __post_init__(self):
         def need(ok: bool, msg: str):
@@ -82,6 +85,8 @@ class ModelConfig:
             need(getattr(self, name) in _DTYPES, f"{name}={getattr(self, name)!r}; choose one of {tuple(_DTYPES)}")
         need(self.attention in ATTENTION_IMPLEMENTATIONS,
              f"attention={self.attention!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
+        need(self.decode_attention in DECODE_ATTENTION_IMPLEMENTATIONS,
+             f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTION_IMPLEMENTATIONS}")
         need(self.sliding_window_pattern == 0 or self.sliding_window,
              "sliding_window_pattern > 0 needs sliding_window set")
 

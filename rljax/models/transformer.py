@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.models.attention import (align_rows, cached_attention, fresh_attention, resolve_attention, roll_rows,
-                                    softcap)
+from rljax.models.attention import (align_rows, cached_attention, decode_attention, fresh_attention,
+                                    key_cache_layout, resolve_attention, resolve_decode_attention, roll_rows,
+                                    softcap, valid_range)
 from rljax.models.config import ModelConfig, rope_inv_freq
 
 Params = dict[str, Any]
@@ -288,10 +289,12 @@ def _block(h_btd, lp, attend, rope_btih, cfg: ModelConfig):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
     """An empty KV cache: per-layer keys k [B, K, H, S] (transposed) and values v [B, K, S, H],
     key positions [B, S] (-1 = empty). Slots are the minor axis of keys and the third of values,
-    so decode attention reads both without a transpose (see `cached_attention`)."""
+    so decode attention reads both without a transpose (see `cached_attention`). Where decode
+    runs the Pallas kernel, keys are [B, K, S, H] like values, the kernel's layout
+    (`rljax.models.attention.key_cache_layout`; `cache_slot_axes` names the slot axes)."""
     dtype = dtype or cfg.compute_jnp_dtype
-    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
     v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len) if key_cache_layout(cfg) == "bkhs" else v_shape
     return {
         "layers": tuple({"k": jnp.zeros(k_shape, dtype), "v": jnp.zeros(v_shape, dtype)}
                         for _ in range(cfg.num_layers)),
@@ -300,8 +303,15 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
     }
 
 
-# Slot axis of each cache buffer (for code that pads or slices caches, e.g. the sampler).
-CACHE_SLOT_AXIS = {"k": 3, "v": 2}
+def cache_slot_axes(cfg: ModelConfig) -> dict[str, int]:
+    """Slot axis of each cache buffer (for code that pads, slices or copies caches: the samplers)."""
+    return {"k": 3 if key_cache_layout(cfg) == "bkhs" else 2, "v": 2}
+
+
+def to_cache_layout(cfg: ModelConfig, k_btkh, v_btkh):
+    """Keys and values [B, T, K, H] in the cache's layout (see `init_cache`)."""
+    k = k_btkh.transpose(0, 2, 3, 1) if key_cache_layout(cfg) == "bkhs" else k_btkh.transpose(0, 2, 1, 3)
+    return k, v_btkh.transpose(0, 2, 1, 3)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -373,18 +383,27 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     # `index` is a scalar (every row writes at the same slot) or [B] (each row at its own slot, as
     # the continuous scheduler's rows are at different lengths): then the writes are per-row
     # `dynamic_update_slice`s, a scatter of T slots per row.
+    # A one-token step runs the decode kernel where `model.decode_attention` picks it: over each
+    # row's valid slots [first key, index + 1), contiguous in every cache the samplers build.
     index = cache["index"]
     write = _cache_writer(index)
     k_pos_bs = write(cache["pos"], new_pos_bt, 1)
+    axes, layout = cache_slot_axes(cfg), key_cache_layout(cfg)
+    kernel = t == 1 and resolve_decode_attention(cfg) == "pallas"
+    if kernel:
+        start_b, end_b = valid_range(k_pos_bs, index + 1)
     layer_params = unstack_layers(params)["layers"]
     new_layers = []
     for lp, lc, window in zip(layer_params, cache["layers"], windows):
         def attend(q, k, v, lc=lc, window=window):
-            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]
-            ck = write(lc["k"], k.astype(lc["k"].dtype), CACHE_SLOT_AXIS["k"])
-            cv = write(lc["v"], v.astype(lc["v"].dtype), CACHE_SLOT_AXIS["v"])
-            out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
-                                   cfg)
+            k, v = to_cache_layout(cfg, k, v)
+            ck = write(lc["k"], k.astype(lc["k"].dtype), axes["k"])
+            cv = write(lc["v"], v.astype(lc["v"].dtype), axes["v"])
+            if kernel:
+                out = decode_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), start_b, end_b, cfg)
+            else:
+                out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
+                                       cfg, layout)
             return out, {"k": ck, "v": cv}
         h, lc_new = _block(h, lp, attend, rope_btih, cfg)
         new_layers.append(lc_new)
@@ -452,8 +471,7 @@ def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, pos
     positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt.astype(jnp.int32)
     h, (k_lbtkh, v_lbtkh) = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=False,
                                            unroll=False, rope_cos_sin=None, return_kv=True)
-    layers = tuple({"k": k_lbtkh[i].transpose(0, 2, 3, 1), "v": v_lbtkh[i].transpose(0, 2, 1, 3)}
-                   for i in range(cfg.num_layers))
+    layers = tuple(dict(zip(("k", "v"), to_cache_layout(cfg, k_lbtkh[i], v_lbtkh[i]))) for i in range(cfg.num_layers))
     cache = {"layers": layers, "pos": jnp.where(attn_mask_bt, positions_bt, -1), "index": jnp.asarray(p, jnp.int32)}
     return h, cache
 

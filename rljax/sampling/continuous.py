@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.errors import ConfigError
-from rljax.models import CACHE_SLOT_AXIS, ModelConfig, init_cache, rope_table, unstack_layers
+from rljax.models import ModelConfig, cache_slot_axes, init_cache, rope_table, unstack_layers
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, bucket_length, draw,
                                    prompt_forward, row_keys, step_forward, stop_flags)
@@ -187,7 +187,7 @@ def _reset_positions(pos_sl, slot_tgt, prompt_pos_ap):
     return pos_sl.at[slot_tgt].set(fresh, mode="drop")
 
 
-def _admit(state: SlotState, row_keys_r, num_rows, max_new, scalars, *, spec: StaticControls,
+def _admit(cfg: ModelConfig, state: SlotState, row_keys_r, num_rows, max_new, scalars, *, spec: StaticControls,
            layout: Layout) -> SlotState:
     """Moves up to `layout.refill` pending rows, in input order, into free slots and draws their
     token 0 from the pool's logits (see the module docstring)."""
@@ -207,7 +207,7 @@ def _admit(state: SlotState, row_keys_r, num_rows, max_new, scalars, *, spec: St
     row_safe = jnp.minimum(row_a, rows_total - 1)
 
     def copy_prompt(buf, pooled, name):  # the prompt's P slots of one layer's keys or values
-        axis = CACHE_SLOT_AXIS[name]
+        axis = cache_slot_axes(cfg)[name]
         index = (slot_tgt,) + (slice(None),) * (axis - 1) + (slice(0, prompt_len),)
         return buf.at[index].set(pooled[entry_a], mode="drop")
 
@@ -331,7 +331,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
             st = maybe_prefill(st)
         # Admission runs every step, with its scatters dropped when no slot is free: its cost is
         # `refill` prompt copies, and skipping it with a cond would pass the whole cache through.
-        st = _admit(st, keys_r, num_rows, max_new, scalars, spec=spec, layout=layout)
+        st = _admit(cfg, st, keys_r, num_rows, max_new, scalars, spec=spec, layout=layout)
         return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec)
 
     drain = layout.drain_slots

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.models import CACHE_SLOT_AXIS, ModelConfig, forward, prefill_cache
+from rljax.models import ModelConfig, cache_slot_axes, forward, prefill_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
@@ -252,7 +252,7 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
     cache, logits_bv = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant)
 
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
-    cache = pad_slots(cache, decode_widths(spec, new_bucket)[0])  # the first phase
+    cache = pad_slots(cfg, cache, decode_widths(spec, new_bucket)[0])  # the first phase
     window = max([len(s) for s in spec.stop_sequences], default=1)
     state = DecodeState(
         cache=cache,
@@ -270,21 +270,22 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
     return record(state, jnp.repeat(logits_bv, num_samples, axis=0), spec)
 
 
-def pad_slots(cache, extra: int):
+def pad_slots(cfg: ModelConfig, cache, extra: int):
     """Appends `extra` empty slots to every cache buffer (keys and values 0, positions -1)."""
+    axes = cache_slot_axes(cfg)
     def pad(x, slot_axis, fill):
         widths = [(0, 0)] * x.ndim
         widths[slot_axis] = (0, extra)
         return jnp.pad(x, widths, constant_values=fill)
 
-    return {"layers": tuple({name: pad(c, CACHE_SLOT_AXIS[name], 0) for name, c in lc.items()}
+    return {"layers": tuple({name: pad(c, axes[name], 0) for name, c in lc.items()}
                             for lc in cache["layers"]),
             "pos": pad(cache["pos"], 1, -1), "index": cache["index"]}
 
 
-def widen(state: DecodeState, extra: int) -> DecodeState:
+def widen(cfg: ModelConfig, state: DecodeState, extra: int) -> DecodeState:
     """The next decode phase's state: the cache grown by `extra` slots."""
-    return state.replace(cache=pad_slots(state.cache, extra))
+    return state.replace(cache=pad_slots(cfg, state.cache, extra))
 
 
 def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticControls) -> DecodeState:
@@ -326,7 +327,7 @@ def decode_phases(cfg: ModelConfig, params, state: DecodeState, *, spec: StaticC
     widths = decode_widths(spec, new_bucket, max_new_tokens)
     for i, width in enumerate(widths):
         if i:
-            state = widen(state, width - widths[i - 1])
+            state = widen(cfg, state, width - widths[i - 1])
         state = decode(cfg, params, state, np.int32(width), spec=spec)
     return state
 

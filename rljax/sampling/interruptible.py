@@ -129,7 +129,7 @@ def _swap(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
     cache, _ = D.prompt_forward(cfg, params, partial.prompt_tokens_pt, partial.prompt_mask_pt,
                                 batch_invariant=spec.batch_invariant)
     repeat = lambda x: jnp.repeat(x, partial.num_samples, axis=0) if x.ndim else x  # noqa: E731
-    cache = D.pad_slots(jax.tree.map(repeat, cache), partial.width)
+    cache = D.pad_slots(cfg, jax.tree.map(repeat, cache), partial.width)
     p = partial.prompt_tokens_pt.shape[1]
     cache["index"] = jnp.asarray(p, jnp.int32)
     g = max(1, min(partial.width, partial.max_new_tokens - 1))
@@ -147,8 +147,8 @@ _start_jit = jax.jit(_start, static_argnames=("cfg", "spec", "num_samples", "new
                                               "widths"))
 _segment_jit = jax.jit(_segment, static_argnames=("cfg",), donate_argnames=("partial",))
 _swap_jit = jax.jit(_swap, static_argnames=("cfg",), donate_argnames=("partial",))
-_widen_jit = jax.jit(lambda partial, extra: partial.replace(state=D.widen(partial.state, extra)),
-                     static_argnames=("extra",))  # new buffers: nothing to donate
+_widen_jit = jax.jit(lambda cfg, partial, extra: partial.replace(state=D.widen(cfg, partial.state, extra)),
+                     static_argnames=("cfg", "extra"))  # new buffers: nothing to donate
 _unstack_jit = jax.jit(unstack_layers)
 _finish_jit = jax.jit(lambda partial: (D.to_result(partial.state, width=partial.max_new_tokens),
                                        partial.version_bc[:, :partial.max_new_tokens]))
@@ -183,7 +183,7 @@ def _advance_from(cfg: ModelConfig, params, partial: PartialRollout, step: int, 
     target = min(step + steps, partial.max_new_tokens)
     while step < target:
         if step >= partial.width:  # this phase's cache is full: the next phase
-            partial = _widen_jit(partial, partial.widths[partial.widths.index(partial.width) + 1] - partial.width)
+            partial = _widen_jit(cfg, partial, partial.widths[partial.widths.index(partial.width) + 1] - partial.width)
         partial = _segment_jit(cfg, params, partial, np.int32(target), np.int32(version))
         step = min(target, partial.width)
     return partial

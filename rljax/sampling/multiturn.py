@@ -256,7 +256,7 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, scala
     mask_bt = prompt_mask_bt.astype(bool)
     cache, logits_bv = D.prompt_forward(cfg, params, prompt_tokens_bt, mask_bt, batch_invariant=spec.batch_invariant)
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
-    cache = D.pad_slots(cache, budget)
+    cache = D.pad_slots(cfg, cache, budget)
     window = max([len(q) for q in spec.stop_sequences], default=1)
     zeros_b = jnp.zeros((bn,), jnp.int32)
     state = EpisodeState(

@@ -58,7 +58,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, forward, rope_table, unstack_layers
+from rljax.models import ModelConfig, cache_slot_axes, forward, rope_table, unstack_layers
 from rljax.sampling.continuous import Layout, PromptPool, empty_pool, prefill_into_pool
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, row_keys,
@@ -139,7 +139,7 @@ def _release(pt: PageTable, out_s, shared_pages_g) -> PageTable:
                       prompt_s=jnp.where(out_s, groups, pt.prompt_s))
 
 
-def _copy_prompt_pages(kv, pool: PromptPool, src_gp, entry_a, target_ak, page_size: int):
+def _copy_prompt_pages(cfg: ModelConfig, kv, pool: PromptPool, src_gp, entry_a, target_ak, page_size: int):
     """Writes logical prompt page k of prompt `entry_a` (its real tokens, `src_gp` their pool slots)
     into physical page target_ak[a, k] (out of range: skipped), in every layer."""
     a_count, k_prompt = target_ak.shape
@@ -149,15 +149,17 @@ def _copy_prompt_pages(kv, pool: PromptPool, src_gp, entry_a, target_ak, page_si
     offset_o = jnp.arange(page_size)[None, None, :]
     entry = entry_a[:, None, None]
 
-    def put(pages, pooled, name):  # pooled k [G, K, H, P], v [G, K, P, H] -> pages [K, pages, page, H]
-        tokens_akokh = pooled[entry, :, :, src_ako] if name == "k" else pooled[entry, :, src_ako, :]
+    axes = cache_slot_axes(cfg)
+
+    def put(pages, pooled, name):  # pooled k [G, K, H, P] (or [G, K, P, H]), v [G, K, P, H] -> [K, pages, page, H]
+        tokens_akokh = pooled[entry, :, :, src_ako] if axes[name] == 3 else pooled[entry, :, src_ako, :]
         return pages.at[:, target_ak[:, :, None], offset_o, :].set(jnp.moveaxis(tokens_akokh, 3, 0), mode="drop")
 
     return tuple({name: put(lkv[name], lp[name], name) for name in lkv} for lkv, lp in zip(kv, pool.layers))
 
 
-def _admit(state: PagedState, keys_r, max_new, scalars, src_gp, shared_pages_g, *, spec: StaticControls,
-           layout: Layout) -> PagedState:
+def _admit(cfg: ModelConfig, state: PagedState, keys_r, max_new, scalars, src_gp, shared_pages_g, *,
+           spec: StaticControls, layout: Layout) -> PagedState:
     """Moves up to `layout.refill` pending rows (lowest index first) into free slots when their
     prompt's pages plus one per row are free, and draws their token 0 (see the module docstring)."""
     s_count, a_count, n, page = layout.slots, layout.refill, layout.num_samples, layout.page_size
@@ -189,7 +191,7 @@ def _admit(state: PagedState, keys_r, max_new, scalars, src_gp, shared_pages_g, 
     target_ak = jnp.where((k[None, :] < full_a[:, None]) & (shared_ak >= 0), row_pages_ak,
                           jnp.where((k[None, :] == full_a[:, None]) & (part_a[:, None] > 0) & ok_a[:, None],
                                     own_a[:, None], layout.num_pages))
-    kv = _copy_prompt_pages(state.kv, pool, src_gp, prompt_a, target_ak, page)
+    kv = _copy_prompt_pages(cfg, state.kv, pool, src_gp, prompt_a, target_ak, page)
 
     slot_tgt = jnp.where(ok_a, slot_a, s_count)
     row_tgt = jnp.where(ok_a, row_a, rows_total)
@@ -248,7 +250,7 @@ def _grow(state: PagedState, shared_pages_g, page_size: int) -> PagedState:
     return state.replace(pages=pt, live_s=live_s, pending_r=pending_r)
 
 
-def gather_view(kv, pt: PageTable, next_pos_s, prompt_len: int, width: int, page_size: int):
+def gather_view(cfg: ModelConfig, kv, pt: PageTable, next_pos_s, prompt_len: int, width: int, page_size: int):
     """The slot layout's cache rebuilt from the pages: per layer k [S, K, H, W], v [S, K, W, H] and
     key positions [S, W], with the prompt's real tokens at [P - len, P) and the generated tokens
     from P (positions -1 elsewhere), and each slot's write index P + generated tokens."""
@@ -259,7 +261,8 @@ def gather_view(kv, pt: PageTable, next_pos_s, prompt_len: int, width: int, page
     logical_sw = jnp.clip(logical_sw, 0, pt.table_sk.shape[1] * page_size - 1)
     page_sw = jnp.take_along_axis(pt.table_sk, logical_sw // page_size, axis=1)
     offset_sw = logical_sw % page_size
-    layers = tuple({"k": lkv["k"][:, page_sw, offset_sw, :].transpose(1, 0, 3, 2),
+    k_order = (1, 0, 3, 2) if cache_slot_axes(cfg)["k"] == 3 else (1, 0, 2, 3)
+    layers = tuple({"k": lkv["k"][:, page_sw, offset_sw, :].transpose(k_order),
                     "v": lkv["v"][:, page_sw, offset_sw, :].transpose(1, 0, 2, 3)} for lkv in kv)
     index_s = prompt_len + next_pos_s - pt.prompt_len_s
     return {"layers": layers, "pos": jnp.where(valid_sw, logical_sw, -1), "index": index_s}
@@ -281,7 +284,7 @@ def gather_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s
                    *, prompt_len: int, width: int, page_size: int, num_pages: int, batch_invariant: bool):
     """The CPU/GPU decode step: logits [S, V] through the model's cached forward on the gathered
     view (`gather_view`), and the pages with the fed tokens' keys and values written."""
-    view = gather_view(kv, pt, positions_s, prompt_len, width, page_size)
+    view = gather_view(cfg, kv, pt, positions_s, prompt_len, width, page_size)
     logits_sv, new = step_forward(cfg, layer_params, tokens_s, positions_s, live_s, view, rope_cos_sin,
                                   batch_invariant=batch_invariant)
     at_s = view["index"]
@@ -291,7 +294,8 @@ def gather_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s
         fed = jnp.take_along_axis(dense, jnp.expand_dims(at_s, (1, 2, 3)), axis=axis)
         return pages.at[:, page_s, offset_s, :].set(jnp.squeeze(fed, axis).transpose(1, 0, 2), mode="drop")
 
-    return logits_sv, tuple({"k": write(lkv["k"], lnew["k"], 3), "v": write(lkv["v"], lnew["v"], 2)}
+    axes = cache_slot_axes(cfg)
+    return logits_sv, tuple({"k": write(lkv["k"], lnew["k"], axes["k"]), "v": write(lkv["v"], lnew["v"], axes["v"])}
                             for lkv, lnew in zip(kv, new["layers"]))
 
 
@@ -402,7 +406,7 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     rope_cos_sin = rope_table(cfg, prompt_len + new_bucket)
 
     def body(st: PagedState) -> PagedState:
-        st = _admit(st, keys_r, max_new, scalars, src_gp, shared_pages_g, spec=spec, layout=layout)
+        st = _admit(cfg, st, keys_r, max_new, scalars, src_gp, shared_pages_g, spec=spec, layout=layout)
         return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, shared_pages_g,
                             spec=spec, layout=layout)
 

@@ -47,7 +47,7 @@ _trim_jit = jax.jit(C.trim, static_argnames=("rows", "width"))
 # `stream`'s pieces:
 _prefill_jit = jax.jit(D.prefill, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
 _decode_jit = jax.jit(D.decode, static_argnames=("cfg", "spec"), donate_argnames=("state",))
-_widen_jit = jax.jit(D.widen, static_argnames=("extra",))  # new buffers: nothing to donate
+_widen_jit = jax.jit(D.widen, static_argnames=("cfg", "extra"))  # new buffers: nothing to donate
 _unstack_jit = jax.jit(unstack_layers)
 
 
@@ -170,6 +170,6 @@ def stream(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, k
             return
         if done >= width:  # this phase's cache is full: the next phase
             previous, width = width, next(widths)
-            state = _widen_jit(state, width - previous)
+            state = _widen_jit(cfg, state, width - previous)
         limit = min(done + chunk, max_new_tokens, width)
         state = _decode_jit(cfg, params, state, np.int32(limit), spec=spec)

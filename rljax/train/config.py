@@ -44,6 +44,7 @@ class ModelSection:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
+    decode_attention: Literal["auto", "xla", "pallas"] = "auto"
 
     def __post_init__(self):
         if self.checkpoint is None and self.tokenizer is None:

@@ -42,7 +42,7 @@ def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
         path = resolve_checkpoint(section.checkpoint)
         read = read_gguf_config if is_gguf(path) else read_hf_config
         return read(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
-                    attention=section.attention)
+                    attention=section.attention, decode_attention=section.decode_attention)
     return ModelConfig(
         model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=section.hidden_size,
         intermediate_size=section.intermediate_size, num_layers=section.num_layers,
@@ -50,7 +50,7 @@ def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
         qkv_bias=True, tie_embeddings=True, max_positions=section.max_positions,
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_ids[0] if tokenizer.eos_ids else None,
         pad_token_id=tokenizer.pad_id, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
-        attention=section.attention)
+        attention=section.attention, decode_attention=section.decode_attention)
 
 
 def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
@@ -67,7 +67,7 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
         path = resolve_checkpoint(section.checkpoint)
         load = load_gguf if is_gguf(path) else load_hf
         return load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
-                    shardings=shardings, attention=section.attention)
+                    shardings=shardings, attention=section.attention, decode_attention=section.decode_attention)
     return cfg, init_params(cfg, key, shardings=shardings)
 
 
