@@ -15,8 +15,10 @@ is recorded as skipped):
                  seconds, programs compiled, peak memory.
 3. torch_update  the PyTorch eager step on the same shapes (`bench/gpu/torch_phases.py`).
 4. decode        rljax `generate`, 0.5B shapes in bf16, prompt 128 + 512 new tokens, no EOS: static
-                 at batch 64 and 256, continuous with 256 slots: tokens/s, share of the HBM
-                 roofline, first-call seconds, programs compiled (`jax.monitoring`).
+                 at batch 64 and 256, continuous with 256 slots (decode attention "auto": the
+                 Pallas decode kernel on one GPU), and static 256 with the einsum decode ("xla"):
+                 tokens/s, share of the HBM roofline, first-call seconds, programs compiled
+                 (`jax.monitoring`).
 5. hf_decode     transformers `generate` (sdpa, bf16) at batch 64; batch 256 runs last, after
                  parity, under a short limit (it did not finish in 70 s on an H200).
 6. parity        f32 logits vs transformers at matmul precision default / highest, and the bf16
@@ -52,7 +54,7 @@ from gpu.report import markdown  # noqa: E402
 from gpu.shapes import nvidia_smi, package_versions  # noqa: E402
 
 UPDATE_CASES = ["0.5B-auto", "0.5B-xla", "1.5B-auto"]
-DECODE_CASES = ["static-64", "static-256", "continuous-256"]
+DECODE_CASES = ["static-64", "static-256", "continuous-256", "static-256-xla"]
 HF_CASES = ["64", "256"]
 
 # (phase, case, time limit in seconds), in priority order. transformers at batch 256 goes last:

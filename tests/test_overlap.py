@@ -405,3 +405,35 @@ def test_off_policy_corrections_work_in_the_overlapped_modes(layouts, params, mo
     assert all(m["async/staleness_mean"] >= 1 for m in later)
     weights = np.array([float(m["train/is_weight_mean"]) for m in later])
     assert np.all(np.abs(weights - 1.0) > 1e-6), weights
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_overlapped_modes_run_the_packed_update(layouts, params, mode):
+    """`update.packing` reaches the trainer of both overlapped modes: one_step_off with packed
+    updates gives the padded run's metrics (within 1e-5) and parameters, from the same keys; async
+    (whose batches depend on thread timing) trains packed micro-batches with finite metrics.
+    Both report the padding fraction (these rows are all full length: nothing to remove).
+    Catches an overlapped driver built from a packing-unaware update program."""
+    from rljax.update import UpdateConfig
+    trainer, sampler = layouts
+    runs = []
+    for upd in (UpdateConfig(packing=True, max_tokens_per_microbatch=2 * (T + CONTROLS.max_new_tokens)),
+                UpdateConfig())[:2 if mode == "one_step_off" else 1]:
+        state = init_train_state(CFG, jax.tree.map(jnp.copy, params), ALGO, OPTIM, update_cfg=upd, layout=trainer)
+        state = jax.device_put(state, trainer.tree(state))
+        progs = overlap.OverlapPrograms.from_stages(make_stages(CONTROLS, reward_callback, state, num_prompts=P,
+                                                                trainer=trainer, sampler=sampler))
+        if mode == "one_step_off":
+            driver = overlap.OneStepOff(progs, prompt_source(), LOOP_KEY)
+        else:
+            driver = overlap.AsyncDriver(progs, prompt_source(), LOOP_KEY, rows=ROWS, max_staleness=1,
+                                         queue_batches=2)
+        runs.append(drive(driver, state, 2))
+    packed = runs[0]
+    assert all(np.isfinite(m["loss/policy"]) and m["update/pad_fraction"] <= m["update/pad_fraction_padded"]
+               for m in packed)
+    if mode == "one_step_off":
+        for got, want in zip(packed, runs[1]):
+            for k, v in want.items():
+                if not k.startswith("time/"):
+                    np.testing.assert_allclose(float(got[k]), float(v), atol=1e-5, rtol=1e-5, err_msg=k)

@@ -211,3 +211,35 @@ def test_fused_iteration_runs_the_packed_update():
     assert "update/pad_fraction" in packed and "update/pad_fraction" not in padded
     for k, v in padded.items():
         _close(packed[k], v, f"iteration metric {k}")
+
+
+def test_packed_multi_turn_rows_equal_padded():
+    """Multi-turn rows (model turn, environment tokens, model turn): the environment's tokens
+    are attended but carry no loss, and turn-level credit gives each model turn its own return
+    (`TurnReturns`, GRPO's turn-group advantages). Packed equals padded: metrics and parameters
+    after a whole update, with 2 token-budget micro-batches.
+
+    Catches a packed row cut at its first loss hole, or packed without its environment tokens
+    (the second model turn would lose that context: its log-probs, and so every loss metric,
+    would differ), and environment tokens entering the packed loss."""
+    from rljax.update import TurnReturns
+
+    base = _batch(1, lengths=[12, 14, 9, 0, 13, 10, 14, 11])
+    loss = np.asarray(base.loss_mask_bt).copy()
+    turn = np.where(loss, 0, -1)
+    for i in range(B):  # tokens PROMPT+4 .. PROMPT+6 are the environment's; the model's turn 1 follows
+        if loss[i].sum() > 7:
+            loss[i, PROMPT + 4:PROMPT + 7] = False
+            turn[i, PROMPT + 4:PROMPT + 7] = -1
+            turn[i, PROMPT + 7:] = np.where(loss[i, PROMPT + 7:], 1, -1)
+    returns = np.random.default_rng(5).random((B, 2)).astype(np.float32)
+    batch = base.replace(loss_mask_bt=jnp.asarray(loss), sampler_logp_bt=jnp.where(loss, base.sampler_logp_bt, 0.0),
+                         turn_returns=TurnReturns(jnp.asarray(turn, jnp.int32), jnp.asarray(returns)))
+    packed_state, m_packed = update(_state("grpo", packing=True, max_tokens_per_microbatch=2 * T), batch,
+                                    jax.random.key(0))
+    padded_state, m_padded = update(_state("grpo"), batch, jax.random.key(0))
+    assert int(m_packed["update/packed_microbatches"]) >= 2
+    for k, v in m_padded.items():
+        _close(m_packed[k], v, f"multi-turn: metric {k}")
+    for a, b in zip(jax.tree.leaves(packed_state.trainable), jax.tree.leaves(padded_state.trainable)):
+        _close(a, b, "multi-turn: params after the update")

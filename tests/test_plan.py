@@ -229,3 +229,21 @@ def test_cli_plan_prints_the_table_on_simulated_devices():
     for row in ("params", "optimiser state", "update: temporaries", "sampler: temporaries", "peak"):
         assert f"\n  {row} " in out.stdout
     assert out.stdout.count("fits ") == 5 and "fits v5e   (   16 GiB per device): yes" in out.stdout
+
+
+def test_packed_plan_advice_halves_the_token_budget():
+    """With `update.packing` the plan compiles the packed update (micro-batches of
+    `max_tokens_per_microbatch` tokens), and the advice halves that budget where the row-count
+    advice would be refused by the config: the candidates name no `num_microbatches`, and the
+    first, applied, plans a smaller update peak. Catches advice that suggests
+    `update.num_microbatches` to a packed run (a ConfigError when applied)."""
+    packed = ("update.packing=true", "update.max_tokens_per_microbatch=192")  # 16 buffers of 12 tokens
+    cfg = tiny(*packed)
+    tokenizer = setup.build_tokenizer(cfg.model)
+    model_cfg = setup.policy_config(cfg.model, tokenizer)
+    settings = [c.setting for c in candidates(cfg, model_cfg)]
+    assert settings[0] == "update.max_tokens_per_microbatch=96" and "num_microbatches" not in " ".join(settings)
+    base = plan_memory(cfg, tokenizer=tokenizer, one_program=False)
+    halved = plan_memory(tiny(*packed, settings[0]), tokenizer=tokenizer, sampler=base.sampler,
+                         one_program=False)
+    assert halved.update.temp_bytes < base.update.temp_bytes, (halved.update, base.update)

@@ -137,7 +137,10 @@ def update(args, case, record):
 # ----------------------------------------------------------------------------- decode
 
 
-DECODE_CASES = {"static-64": ("static", 64), "static-256": ("static", 256), "continuous-256": ("continuous", 256)}
+# case -> (scheduler, batch, model.decode_attention); "auto" is the Pallas decode kernel on one GPU,
+# "static-256-xla" the einsum decode on the same shapes: what the kernel buys.
+DECODE_CASES = {"static-64": ("static", 64, "auto"), "static-256": ("static", 256, "auto"),
+                "continuous-256": ("continuous", 256, "auto"), "static-256-xla": ("static", 256, "xla")}
 
 
 def decode_lengths(small: bool) -> tuple[int, int]:
@@ -146,20 +149,21 @@ def decode_lengths(small: bool) -> tuple[int, int]:
 
 
 def decode(args, case, record):
-    """rljax's `generate` on Qwen2.5-0.5B shapes in bf16, no EOS: case "static-64", "static-256"
-    or "continuous-256" (256 slots). --small divides the batch by 8."""
+    """rljax's `generate` on Qwen2.5-0.5B shapes in bf16, no EOS: case "static-64", "static-256",
+    "continuous-256" (256 slots) or "static-256-xla" (einsum decode attention). --small divides
+    the batch by 8."""
     import jax
     import numpy as np
 
     from rljax.models import from_hf_dict, init_params
-    from rljax.models.attention import describe_attention
+    from rljax.models.attention import describe_attention, resolve_decode_attention
     from rljax.sampling import SampleControls, generate
 
-    scheduler, batch = DECODE_CASES[case]
+    scheduler, batch, decode_attention = DECODE_CASES[case]
     batch = batch // 8 if args.small else batch
     prompt, new = decode_lengths(args.small)
     hf = hf_config("0.5B", args.small)
-    cfg = from_hf_dict(hf, compute_dtype="bfloat16", param_dtype="bfloat16")
+    cfg = from_hf_dict(hf, compute_dtype="bfloat16", param_dtype="bfloat16", decode_attention=decode_attention)
     params = init_params(cfg, jax.random.key(0))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     counter = CompileCounter()
@@ -176,7 +180,8 @@ def decode(args, case, record):
     floor_s = decode_floor_bytes(hf, weight_bytes, batch, prompt, new) / (args.hbm_tb_s * 1e12) \
         if args.hbm_tb_s else None
     record(system="rljax", scheduler=scheduler, batch=batch, slots=batch if scheduler == "continuous" else None,
-           prompt=prompt, new=new, attention_line=describe_attention(cfg), first_call_s=first_s, **first,
+           prompt=prompt, new=new, attention_line=describe_attention(cfg),
+           decode_attention=resolve_decode_attention(cfg), first_call_s=first_s, **first,
            recompiles=counter.take()["programs_compiled"], seconds=med, times=times, tokens_per_s=batch * new / med,
            mean_length=float(np.asarray(result.lengths).mean()), weight_gib=weight_bytes / 2**30,
            roofline_s=floor_s, roofline_share=None if floor_s is None else floor_s / med,

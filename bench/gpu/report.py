@@ -126,6 +126,7 @@ def decode(r: Run, decode_cases: list[str], hf_cases: list[str]) -> list[str]:
     for case in decode_cases:
         d = r.find("decode", case)
         name = "rljax " + case.split("-")[0] + (" (slots = batch)" if case.startswith("continuous") else "")
+        name += f", decode attention {d['decode_attention']}" if d and "decode_attention" in d else ""
         if not d:
             lines.append(_row(name, case.split("-")[1], "", r.missing("decode", case), "", "", "", ""))
             continue

@@ -4,6 +4,8 @@ Candidates, in the order tried (each alone, then all together):
 
     update.num_microbatches x2, x4, ...   the update's activations scale with the micro-batch rows;
                                           stops while each micro-batch still has a row per device
+                                          (with `update.packing`: max_tokens_per_microbatch / 2,
+                                          / 4, ... while a micro-batch holds a buffer per device)
     update.remat = true                   layer activations recomputed in the backward pass
     mesh: every device on fsdp            params, optimiser state and reference split further
     update.logprob_chunk = chunk / 4      the [rows, chunk, vocab] logits of the scoring pass
@@ -87,22 +89,30 @@ def candidates(cfg: TrainConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
     u = cfg.update
     data, fsdp, tensor = _mesh_sizes(cfg)
     rows = cfg.rl.prompts_per_iteration * cfg.sampling.num_samples // u.num_minibatches
-    micro, best = u.num_microbatches * 2, None
-    while rows % micro == 0 and rows // micro >= data * fsdp:
-        best = micro
+    time = prompt_width(cfg) + cfg.sampling.max_new_tokens - 1
+    best = None
+    if u.packing:  # micro-batches are token budgets: halve the budget, keeping a buffer per device
+        buffers, length = u.packed_shape(rows, time + 1)  # rows are prompt + completion wide
+        while buffers // 2 >= data * fsdp:
+            buffers //= 2
+            best = ("max_tokens_per_microbatch", buffers * length)
+            yield Candidate(f"update.max_tokens_per_microbatch={buffers * length}",
+                            _with(cfg, "update", max_tokens_per_microbatch=buffers * length), True)
+    micro = u.num_microbatches * 2
+    while not u.packing and rows % micro == 0 and rows // micro >= data * fsdp:
+        best = ("num_microbatches", micro)
         yield Candidate(f"update.num_microbatches={micro}", _with(cfg, "update", num_microbatches=micro), True)
         micro *= 2
     if not u.remat:
         yield Candidate("update.remat=true", _with(cfg, "update", remat=True), True)
     if data > 1:
         yield Candidate(f"mesh.data=1 mesh.fsdp={data * fsdp}", _with(cfg, "mesh", data=1, fsdp=data * fsdp), False)
-    time = prompt_width(cfg) + cfg.sampling.max_new_tokens - 1
     chunk = min(u.chunk_for(rows // u.num_microbatches, time, model_cfg.vocab_size).time, time)  # steps per chunk
     if chunk > 1:
         yield Candidate(f"update.logprob_chunk={max(1, chunk // 4)}",
                         _with(cfg, "update", logprob_chunk=max(1, chunk // 4)), True)
-    combined = _with(cfg, "update", remat=True, num_microbatches=best or u.num_microbatches)
-    setting = "update.remat=true" + (f" update.num_microbatches={best}" if best else "")
+    combined = _with(cfg, "update", remat=True, **dict([best] if best else []))
+    setting = "update.remat=true" + (f" update.{best[0]}={best[1]}" if best else "")
     if data > 1:
         combined, setting = _with(combined, "mesh", data=1, fsdp=data * fsdp), setting + f" mesh.data=1 mesh.fsdp={data * fsdp}"
     yield Candidate(setting, combined, data == 1)
