@@ -10,6 +10,11 @@ in one process, on two workloads. Writes bench/results/packing.json.
 - default job: the default job's model (3 layers, width 128, a 17-symbol vocabulary) and shapes,
   512 rows x 18 columns (prompt 10, completion up to 8), one micro-batch; packed with buffers of
   36 tokens (two rows fit one).
+- gsm8k-shape (an iteration, reduced): the GSM8K recipe's row shape (`configs/gsm8k_qwen.toml`:
+  prompt bucket 256, 512 new tokens, remat, micro-batches of 8 rows) on qwen2-tiny with
+  `--gsm8k-rows` rows (default 32: 4 prompts x 8 samples), completion lengths lognormal with median
+  150 and 5% at the 512 cap (imposed on the sampler, as `bench/longtail.py` does). One iteration =
+  the continuous sampler's call + one update step; the sampler's time is the same for both.
 Useful tokens are the rows' real tokens (prompt + completion). Times are per update step, the
 median of `--repeats` steps after the compile; process CPU seconds (all threads) beside wall
 seconds, because the machine is shared (the load average is recorded).
@@ -79,6 +84,55 @@ def time_steps(cfg: ModelConfig, batch: RolloutBatch, update_cfg: UpdateConfig, 
     return out
 
 
+def gsm8k_lengths(rows: int, median: int = 150, cap: int = 512, cap_share: float = 0.05) -> np.ndarray:
+    """`rows` completion lengths: lognormal quantiles with `median` and `cap_share` of the rows at
+    `cap` (the long-tail construction of `bench/longtail.py` at the GSM8K recipe's cap)."""
+    normal = statistics.NormalDist()
+    sigma = np.log(cap / median) / normal.inv_cdf(1 - cap_share)
+    q = [float(np.exp(np.log(median) + sigma * normal.inv_cdf((i + 0.5) / rows))) for i in range(rows)]
+    return np.random.default_rng(7).permutation(np.clip(np.rint(q), 1, cap).astype(np.int32))
+
+
+def gsm8k_iteration(rows: int, repeats: int) -> dict:
+    """The GSM8K recipe's shape, reduced (see the module docstring): sampler seconds, then the
+    padded and packed update steps on the sampled rows; iteration = sampler + update."""
+    from longtail import EOS_ID, PAD_ID, forced_lengths_jax
+
+    from rljax.sampling import SampleControls, generate
+
+    prompt, new, samples = 256, 512, 8
+    cfg = preset("qwen2-tiny")
+    params = init_params(cfg, jax.random.key(0))
+    lengths = gsm8k_lengths(rows)
+    prompts = np.random.default_rng(3).integers(2, cfg.vocab_size, (rows // samples, prompt)).astype(np.int32)
+    controls = SampleControls(max_new_tokens=new, num_samples=samples, temperature=1.0, eos_ids=(EOS_ID,),
+                              pad_id=PAD_ID, scheduler="continuous", logits_processor=forced_lengths_jax(lengths))
+    run = lambda i: jax.block_until_ready(generate(cfg, params, prompts, key=jax.random.key(i), controls=controls))
+    result = run(0)  # compiles
+    wall, cpu = [], []
+    for i in range(repeats):
+        t, c = time.perf_counter(), time.process_time()
+        result = run(i + 1)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    got = np.asarray(result.lengths)
+    assert np.array_equal(np.sort(got), np.sort(lengths)), "the sampler did not impose the lengths"
+    batch = batch_for(cfg, prompt, got, prompt + new)
+    micro = 8  # the recipe's rows per micro-batch
+    out = {"rows": rows, "lengths": {"median": float(np.median(got)), "mean": float(got.mean()), "max": int(got.max())},
+           "sample": {"wall_s": round(statistics.median(wall), 3), "cpu_s": round(statistics.median(cpu), 3)}}
+    for name, ucfg in (("padded", UpdateConfig(num_microbatches=rows // micro, remat=True)),
+                       ("packed", UpdateConfig(packing=True, remat=True, max_tokens_per_microbatch=micro * (prompt + new)))):
+        out[name] = row = time_steps(cfg, batch, ucfg, repeats)
+        row["iteration_wall_s"] = round(out["sample"]["wall_s"] + row["wall_s"], 3)
+        row["iteration_cpu_s"] = round(out["sample"]["cpu_s"] + row["cpu_s"], 3)
+        print("gsm8k-shape", name, json.dumps(row), flush=True)
+    out["update_packed_over_padded_wall"] = round(out["padded"]["wall_s"] / out["packed"]["wall_s"], 2)
+    out["iteration_packed_over_padded_wall"] = round(out["padded"]["iteration_wall_s"] / out["packed"]["iteration_wall_s"], 2)
+    out["iteration_packed_over_padded_cpu"] = round(out["padded"]["iteration_cpu_s"] / out["packed"]["iteration_cpu_s"], 2)
+    return out
+
+
 def _cpu_model() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -90,35 +144,43 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gsm8k-rows", type=int, default=32)
+    parser.add_argument("--only", choices=("long-tail", "default-job", "gsm8k-shape"), nargs="*",
+                        help="workloads to run (default: all)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "packing.json"))
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     cases = {}
 
-    cfg = preset("qwen2-tiny")
-    lengths = imposed_lengths()[:args.rows]
-    batch = batch_for(cfg, 64, lengths, 64 + 1024)
-    micro = max(1, args.rows // 8)
-    padded = UpdateConfig(num_microbatches=args.rows // micro)
-    packed = UpdateConfig(packing=True, max_tokens_per_microbatch=micro * 1088)
-    cases["long-tail"] = {"lengths": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
-                                      "max": int(lengths.max())}}
-    for name, ucfg in (("padded", padded), ("packed", packed)):
-        cases["long-tail"][name] = row = time_steps(cfg, batch, ucfg, args.repeats)
-        print("long-tail", name, json.dumps(row), flush=True)
+    only = set(args.only or ("long-tail", "default-job", "gsm8k-shape"))
+    if "long-tail" in only:
+        cfg = preset("qwen2-tiny")
+        lengths = imposed_lengths()[:args.rows]
+        batch = batch_for(cfg, 64, lengths, 64 + 1024)
+        micro = max(1, args.rows // 8)
+        padded = UpdateConfig(num_microbatches=args.rows // micro)
+        packed = UpdateConfig(packing=True, max_tokens_per_microbatch=micro * 1088)
+        cases["long-tail"] = {"lengths": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
+                                          "max": int(lengths.max())}}
+        for name, ucfg in (("padded", padded), ("packed", packed)):
+            cases["long-tail"][name] = row = time_steps(cfg, batch, ucfg, args.repeats)
+            print("long-tail", name, json.dumps(row), flush=True)
 
     dj = ModelConfig(vocab_size=17, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=32, qkv_bias=True, max_positions=256)
     rng = np.random.default_rng(1)
     batch = batch_for(dj, 10, rng.integers(2, 9, 512), 18)
-    cases["default-job"] = {}
-    for name, ucfg in (("padded", UpdateConfig()), ("packed", UpdateConfig(packing=True, pack_length=36,
-                                                                           max_tokens_per_microbatch=512 * 18))):
-        cases["default-job"][name] = row = time_steps(dj, batch, ucfg, args.repeats)
-        print("default-job", name, json.dumps(row), flush=True)
+    if "default-job" in only:
+        cases["default-job"] = {}
+        for name, ucfg in (("padded", UpdateConfig()), ("packed", UpdateConfig(packing=True, pack_length=36,
+                                                                               max_tokens_per_microbatch=512 * 18))):
+            cases["default-job"][name] = row = time_steps(dj, batch, ucfg, args.repeats)
+            print("default-job", name, json.dumps(row), flush=True)
     for case in cases.values():
         case["packed_over_padded_wall"] = round(case["padded"]["wall_s"] / case["packed"]["wall_s"], 2)
         case["packed_over_padded_cpu"] = round(case["padded"]["cpu_s"] / case["packed"]["cpu_s"], 2)
+    if "gsm8k-shape" in only:
+        cases["gsm8k-shape"] = gsm8k_iteration(args.gsm8k_rows, args.repeats)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
                           "load_before": load_before},

@@ -12,17 +12,24 @@ notebook subprocesses inherit the environment): many tests build the same tiny p
 (a new `jax.jit` per `train` call, a new process per CLI run), and a cache hit replaces seconds of
 compilation by a file read. The same compiled code runs either way, so results are unchanged.
 Programs with host callbacks (the fused RL iteration) are never cached by JAX. Programs over more
-than one device are not written either: jaxlib 0.10.2's XLA:CPU segfaulted serialising sharded
-sampler programs (`LoadedExecutable.serialize`, inside JAX's cache write) in full two-worker runs
-of this suite, in three different sharded-sampler tests (2026-11-26, a faulthandler trace from
-`put_executable_and_time`); each passes alone. They compile as before, and few repeat across tests.
+than one device are not written either (see below); they compile as before, and few repeat.
+
+Sharded sampler programs (`@pytest.mark.isolated`) run in a fresh Python process. In full
+two-worker runs of this suite, jaxlib 0.10.2's XLA:CPU segfaulted in a long-lived worker while
+compiling (`backend_compile_and_load`) or serialising (`LoadedExecutable.serialize`, JAX's cache
+write) the one-program static sampler over a multi-device mesh, in five runs on 2026-11-26,
+in three different sharded-sampler tests (faulthandler traces); every one passes alone and in a
+fresh process. A child killed by a signal is run once more, with a warning in the summary; any
+other failure fails the test with the child's output.
 """
 
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -35,6 +42,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from jax._src import compilation_cache as _compilation_cache  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -51,3 +59,31 @@ def _single_device_writes_only(put):
 if hasattr(_compilation_cache, "put_executable_and_time"):
     _compilation_cache.put_executable_and_time = _single_device_writes_only(
         _compilation_cache.put_executable_and_time)
+
+
+# ----------------------------------------------------------------------------- isolated tests
+
+_ISOLATED = "RLJAX_TEST_ISOLATED"  # set in the child to the node id it runs
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "isolated: runs in a fresh Python process (see this module's docstring)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get(_ISOLATED) == pyfuncitem.nodeid:
+        return None
+    cmd = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
+    env = {**os.environ, _ISOLATED: pyfuncitem.nodeid}
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(pyfuncitem.config.rootpath),
+                              timeout=900)
+        if proc.returncode >= 0:
+            break
+        warnings.warn(f"{pyfuncitem.nodeid}: the isolated child died of signal {-proc.returncode} "
+                      f"(attempt {attempt}); {'running it again' if attempt == 1 else 'giving up'}", stacklevel=1)
+    if proc.returncode != 0:
+        pytest.fail(f"isolated child exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}",
+                    pytrace=False)
+    return True

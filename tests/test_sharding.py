@@ -329,6 +329,7 @@ def test_sharded_update_step_equals_one_device(layout_name, update_reference):
     assert len(moments) == 1 and moments[0].sharding == state_sh.params["layers"]["q"]
 
 
+@pytest.mark.isolated  # tests/conftest.py: XLA:CPU crashes on these programs in long-lived workers
 @pytest.mark.parametrize("layout_name", w.LAYOUTS)
 def test_sampler_on_sharded_params_equals_one_device(layout_name):
     """rljax.sampling.generate on params in the sampler layout (tensor-parallel heads, no FSDP) draws
@@ -352,6 +353,7 @@ def test_sampler_on_sharded_params_equals_one_device(layout_name):
     assert rows_per_device == ({8} if layout_name == "fsdp8" else {2})
 
 
+@pytest.mark.isolated  # tests/conftest.py
 def test_generate_splits_rows_over_a_data_mesh():
     """Params replicated over an 8-device data mesh: each device samples its own prompt's rows
     (prompt i's 3 samples on device i), with the tokens and log-probs of one device. `stream`
