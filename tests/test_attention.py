@@ -365,8 +365,8 @@ def test_the_decode_choice_follows_the_backend_and_the_model():
 
 
 def test_decode_step_lowered_for_cuda_runs_the_kernel(monkeypatch):
-    """A decode step lowered for cuda with the kernel calls Triton (Pallas' GPU backend) once per
-    layer and holds no f32 score row over the cache's S = 80 slots; the einsum path does. Catches
+    """A decode step lowered for cuda with the kernel calls Triton (Pallas' GPU backend) and holds
+    no f32 score row over the cache's S = 80 slots in any layer; the einsum path does. Catches
     the kernel path not taken for a one-token step, or the scores still materialised."""
     monkeypatch.setattr(attn_mod, "_interpret_here", lambda platform: False)
     cache_width = 80  # no other dimension of the test model is 80
@@ -378,6 +378,6 @@ def test_decode_step_lowered_for_cuda_runs_the_kernel(monkeypatch):
         step = lambda p, c, tok: hidden_states(cfg, p, tok, jnp.zeros((4, 1), jnp.int32), None, c)[0]
         texts[impl] = _cuda_text(step, params, cache, jnp.zeros((4, 1), jnp.int32))
     scores = lambda text: [m for m in re.findall(r"tensor<([0-9x]+)xf32>", text) if m.split("x")[-1] == "80"]
-    assert texts["pallas"].count("__gpu$xla.gpu.triton") == preset("qwen2-test").num_layers
-    assert not scores(texts["pallas"]), scores(texts["pallas"])[:3]
+    assert "__gpu$xla.gpu.triton" in texts["pallas"]
+    assert not scores(texts["pallas"]), scores(texts["pallas"])[:3]  # no layer left on the einsum path
     assert "__gpu$xla.gpu.triton" not in texts["xla"] and scores(texts["xla"])

@@ -62,6 +62,9 @@ def test_pack_rows_is_first_fit_decreasing():
 
 
 PRESETS = ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "remax", "ppo", "gspo", "cispo"]
+# The whole `update` (packed micro-batch loop, optimiser step) is compared once per aggregation,
+# and for the critic; every preset's loss, gradients and metrics are compared above it.
+WHOLE_UPDATE = ["grpo", "dr_grpo", "dapo", "remax", "ppo"]
 
 
 def _state(algorithm, **update_kw):
@@ -97,8 +100,9 @@ def _close(a, b, what):
 def test_packed_update_equals_padded(algorithm):
     """For every preset (PPO with its critic): the packed update's gradients (every leaf), loss
     and metric pairs equal the padded micro-batch's within 1e-6 of the scale, as one packed
-    micro-batch and as three (each loss numerator over the mini-batch's denominator); and the
-    whole `update` (packing on vs off) gives the same metrics and parameters.
+    micro-batch and as three (each loss numerator over the mini-batch's denominator); and, for
+    one preset per aggregation and PPO's critic, the whole `update` (packing on vs off) gives the
+    same metrics and parameters.
 
     Catches a row attended across its buffer neighbours, positions not restarting per row,
     outputs gathered back to the wrong columns, a row scored twice or dropped, and the
@@ -119,6 +123,8 @@ def test_packed_update_equals_padded(algorithm):
         for k in pairs_pad:
             _close(pairs[k][0] / pairs[k][1], pairs_pad[k][0] / pairs_pad[k][1], f"{algorithm} {per}: {k}")
 
+    if algorithm not in WHOLE_UPDATE:
+        return
     packed_state, m_packed = update(_state(algorithm, packing=True, max_tokens_per_microbatch=2 * T), _batch(),
                                     jax.random.key(0))
     padded_state, m_padded = update(_state(algorithm), _batch(), jax.random.key(0))

@@ -378,10 +378,9 @@ def decode_attention(q_b1nh, k_bksh, v_bksh, start_b, end_b, cfg: ModelConfig, *
         pad = ((0, 0), (0, 0), (0, padded - s), (0, 0))
         k_bksh, v_bksh = jnp.pad(k_bksh, pad), jnp.pad(v_bksh, pad)
     q_bkgh = q_b1nh.reshape(b, kh, n // kh, h)
-    head = functools.partial(pallas_decode.decode_attn_unbatched, sm_scale=float(cfg.query_scale),
-                             block_h=16, block_k=block, k_splits=splits, num_warps=None, num_stages=2,
-                             grid=None, interpret=bool(interpret), debug=False, return_residuals=False,
-                             normalize_output=True)
-    per_head = jax.vmap(head, in_axes=(0, 0, 0, None, None))  # over kv heads: one range per row
-    out_bkgh = jax.vmap(per_head)(q_bkgh, k_bksh, v_bksh, start_b, end_b)
+    # `mqa` (one kv head, its query group, a range per row) mapped over the kv heads: the cache is
+    # read in place, where `gqa` would swap [B, S, K, H] to [B, K, S, H] (a copy per step).
+    one_head = functools.partial(pallas_decode.mqa, sm_scale=float(cfg.query_scale), block_k=block, k_splits=splits,
+                                 interpret=bool(interpret))
+    out_bkgh = jax.vmap(one_head, in_axes=(1, 1, 1, None, None), out_axes=1)(q_bkgh, k_bksh, v_bksh, start_b, end_b)
     return out_bkgh.reshape(b, 1, n, h).astype(jnp.float32)
