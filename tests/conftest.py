@@ -14,6 +14,14 @@ compilation by a file read. The same compiled code runs either way, so results a
 Programs with host callbacks (the fused RL iteration) are never cached by JAX. Programs over more
 than one device are not written either (see below); they compile as before, and few repeat.
 
+Memory. A worker runs hundreds of tests; JAX keeps every compiled program (and its constants)
+alive in its caches, and glibc keeps freed heap mapped, so a worker grew to 7.9 GB RSS over a
+full run (two workers and their CLI children on a 24 GB machine with no swap). XLA:CPU segfaulted
+in such workers, never alone, in compiling or serialising large programs (below): an allocation
+that failed under that pressure is the likeliest cause. So after each test module the worker
+clears JAX's caches, collects, and returns free heap to the OS (`malloc_trim`); the programs a
+later module needs again come back from the persistent cache.
+
 Sharded sampler programs (`@pytest.mark.isolated`) run in a fresh Python process. In full
 two-worker runs of this suite, jaxlib 0.10.2's XLA:CPU segfaulted in a long-lived worker while
 compiling (`backend_compile_and_load`) or serialising (`LoadedExecutable.serialize`, JAX's cache
@@ -24,6 +32,8 @@ other failure fails the test with the child's output.
 """
 
 import atexit
+import ctypes
+import gc
 import os
 import shutil
 import subprocess
@@ -87,3 +97,21 @@ def pytest_pyfunc_call(pyfuncitem):
         pytest.fail(f"isolated child exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}",
                     pytrace=False)
     return True
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory_after_the_module():
+    yield
+    jax.clear_caches()
+    gc.collect()
+    _malloc_trim()
