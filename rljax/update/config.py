@@ -73,7 +73,9 @@ class UpdateConfig:
         """(buffers per micro-batch, pack_length) of a packed mini-batch of `rows` rows `width`
         columns wide: `pack_length` defaults to the width (a row always fits one buffer), and a
         micro-batch holds `max_tokens_per_microbatch` tokens (default: an eighth of the padded
-        mini-batch, so the last micro-batch wastes at most that)."""
+        mini-batch, so the last micro-batch wastes at most that), and never more buffers than
+        the mini-batch has rows (each row fills at most one: a budget sized for a larger batch
+        would otherwise run empty buffers)."""
         length = self.pack_length or width
         if length < width:
             raise ConfigError(f"update.pack_length={length} is shorter than the rows ({width} columns): a row "
@@ -82,7 +84,7 @@ class UpdateConfig:
         if budget < length:
             raise ConfigError(f"update.max_tokens_per_microbatch={budget} is under one buffer of "
                               f"update.pack_length={length} tokens; raise it to >= {length}")
-        return budget // length, length
+        return min(budget // length, rows), length
 
     def chunk_for(self, batch: int, time: int, vocab: int) -> LogprobChunks:
         """The vocabulary-projection chunks (time steps, vocabulary ids) of a [batch, time] scoring
