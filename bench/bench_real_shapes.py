@@ -150,14 +150,15 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="rljax-real-shapes-")
     _write_data(os.path.join(tmp, "train.jsonl"))
     # The recipe's micro-batch size in rows, kept at this smaller batch (its count would not divide it).
-    recipe = load_config("gsm8k_qwen", ["model.tokenizer=qwen"])
+    # (padded, as these figures were measured: the recipe now packs; see BENCHMARKS.md)
+    recipe = load_config("gsm8k_qwen", ["model.tokenizer=qwen", "update.packing=false", "update.num_microbatches=64"])
     recipe_rows = recipe.rl.prompts_per_iteration * recipe.sampling.num_samples // recipe.update.chunks
     micro = max(1, args.prompts * args.samples // recipe_rows)
     cfg = load_config("gsm8k_qwen", [
         "model.tokenizer=qwen", f"data.path='{tmp}/train.jsonl'", "data.eval_path=''", "data.eval_size=0",
         "data.max_prompt_tokens=128", f"rl.prompts_per_iteration={args.prompts}",
         f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.new_tokens}",
-        f"update.num_microbatches={micro}", "update.num_minibatches=1", f"output_dir='{tmp}'"])
+        "update.packing=false", f"update.num_microbatches={micro}", "update.num_minibatches=1", f"output_dir='{tmp}'"])
     tok = setup.build_tokenizer(cfg.model)
     model_cfg = from_hf_dict({**QWEN25_05B, "num_hidden_layers": args.layers}, param_dtype=cfg.model.param_dtype,
                              compute_dtype=cfg.model.compute_dtype, eos_token_id=tok.eos_ids,
