@@ -376,7 +376,12 @@ def test_decode_step_lowered_for_cuda_runs_the_kernel(monkeypatch):
         params = init_params(cfg, jax.random.key(0))
         cache = init_cache(cfg, 4, cache_width)
         step = lambda p, c, tok: hidden_states(cfg, p, tok, jnp.zeros((4, 1), jnp.int32), None, c)[0]
-        texts[impl] = _cuda_text(step, params, cache, jnp.zeros((4, 1), jnp.int32))
+        try:
+            texts[impl] = _cuda_text(step, params, cache, jnp.zeros((4, 1), jnp.int32))
+        except RuntimeError as err:  # jax >= 0.11 asks a real GPU for Triton's target when lowering
+            if "No supported GPU devices" not in str(err):
+                raise
+            pytest.skip(f"this jax ({jax.__version__}) lowers Triton kernels only with a GPU present")
     scores = lambda text: [m for m in re.findall(r"tensor<([0-9x]+)xf32>", text) if m.split("x")[-1] == "80"]
     assert "__gpu$xla.gpu.triton" in texts["pallas"]
     assert not scores(texts["pallas"]), scores(texts["pallas"])[:3]  # no layer left on the einsum path
