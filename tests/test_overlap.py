@@ -380,6 +380,19 @@ def test_async_resume_restarts_an_empty_queue(tmp_path, monkeypatch):
     assert len(first.history) == 3 and len(resumed.history) == 5
 
 
+def _overlapped(mode: str, params, layouts, *, algo=ALGO, **state_kw):
+    """(driver, state): a fresh trainer state (`init_train_state` keywords) placed in the trainer
+    layout, and the one_step_off or async driver over its stages."""
+    trainer, sampler = layouts
+    state = init_train_state(CFG, jax.tree.map(jnp.copy, params), algo, OPTIM, layout=trainer, **state_kw)
+    state = jax.device_put(state, trainer.tree(state))
+    progs = overlap.OverlapPrograms.from_stages(make_stages(CONTROLS, reward_callback, state, num_prompts=P,
+                                                            trainer=trainer, sampler=sampler))
+    if mode == "one_step_off":
+        return overlap.OneStepOff(progs, prompt_source(), LOOP_KEY), state
+    return overlap.AsyncDriver(progs, prompt_source(), LOOP_KEY, rows=ROWS, max_staleness=1, queue_batches=2), state
+
+
 @pytest.mark.parametrize("mode, off_policy", [("one_step_off", "tis"), ("async", "decoupled")])
 def test_off_policy_corrections_work_in_the_overlapped_modes(layouts, params, mode, off_policy):
     """TIS (one_step_off) and AReaL's decoupled weight (async) run in the overlapped modes, fed the
@@ -389,16 +402,8 @@ def test_off_policy_corrections_work_in_the_overlapped_modes(layouts, params, mo
     keeps the compile count down.)
     Catches: an overlapped mode whose batch reaches the update with the trainer's own log-probs
     in place of the sampler's (every weight exactly 1), or a correction that breaks in it (NaN)."""
-    trainer, sampler = layouts
     algo = AlgorithmConfig(recompute_old_logp=True, off_policy=off_policy)
-    state = init_train_state(CFG, jax.tree.map(jnp.copy, params), algo, OPTIM, layout=trainer)
-    state = jax.device_put(state, trainer.tree(state))
-    progs = overlap.OverlapPrograms.from_stages(make_stages(CONTROLS, reward_callback, state, num_prompts=P,
-                                                            trainer=trainer, sampler=sampler))
-    if mode == "one_step_off":
-        driver = overlap.OneStepOff(progs, prompt_source(), LOOP_KEY)
-    else:
-        driver = overlap.AsyncDriver(progs, prompt_source(), LOOP_KEY, rows=ROWS, max_staleness=1, queue_batches=2)
+    driver, state = _overlapped(mode, params, layouts, algo=algo)
     history = drive(driver, state, 3)
     later = history[1:]
     assert all(np.isfinite(m["loss/policy"]) for m in history)
@@ -415,20 +420,10 @@ def test_overlapped_modes_run_the_packed_update(layouts, params, mode):
     Both report the padding fraction (these rows are all full length: nothing to remove).
     Catches an overlapped driver built from a packing-unaware update program."""
     from rljax.update import UpdateConfig
-    trainer, sampler = layouts
     runs = []
     for upd in (UpdateConfig(packing=True, max_tokens_per_microbatch=2 * (T + CONTROLS.max_new_tokens)),
                 UpdateConfig())[:2 if mode == "one_step_off" else 1]:
-        state = init_train_state(CFG, jax.tree.map(jnp.copy, params), ALGO, OPTIM, update_cfg=upd, layout=trainer)
-        state = jax.device_put(state, trainer.tree(state))
-        progs = overlap.OverlapPrograms.from_stages(make_stages(CONTROLS, reward_callback, state, num_prompts=P,
-                                                                trainer=trainer, sampler=sampler))
-        if mode == "one_step_off":
-            driver = overlap.OneStepOff(progs, prompt_source(), LOOP_KEY)
-        else:
-            driver = overlap.AsyncDriver(progs, prompt_source(), LOOP_KEY, rows=ROWS, max_staleness=1,
-                                         queue_batches=2)
-        runs.append(drive(driver, state, 2))
+        runs.append(drive(*_overlapped(mode, params, layouts, update_cfg=upd), 2))
     packed = runs[0]
     assert all(np.isfinite(m["loss/policy"]) and m["update/pad_fraction"] <= m["update/pad_fraction_padded"]
                for m in packed)
