@@ -29,7 +29,9 @@ class ModelSection:
     """Where the policy comes from: a HF checkpoint directory, or a from-scratch architecture.
 
     `tokenizer`: a path/name for `rljax.tokenizers.load` (default: the checkpoint directory), or
-    `chars:<alphabet>` for a character tokenizer (tiny from-scratch jobs).
+    `chars:<alphabet>` for a character tokenizer (tiny from-scratch jobs). `attention` picks the
+    full-sequence attention (training, scoring, prefill) and `decode_attention` the decode steps'
+    ("auto": the backend's fused kernel where it serves the model; docs/api/models.md).
     """
 
     checkpoint: str | None = None
