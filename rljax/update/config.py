@@ -59,8 +59,9 @@ class UpdateConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1 (or unset: automatic)")
         if self.packing and self.num_microbatches > 1:
-            raise ConfigError("update.packing sizes micro-batches by tokens (update.max_tokens_per_microbatch); "
-                              f"leave update.num_microbatches at 1, not {self.num_microbatches}")
+            raise ConfigError(f"update.num_microbatches={self.num_microbatches} with update.packing: packed "
+                              "micro-batches are sized by tokens; set update.max_tokens_per_microbatch and leave "
+                              "update.num_microbatches at 1, or set update.packing=false")
 
     def layers_unrolled(self, platform: str | None = None) -> bool:
         """Whether the trained forward unrolls its layers: `unroll_layers`, or when unset, on a GPU
