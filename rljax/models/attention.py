@@ -363,8 +363,9 @@ def _decode_split(slots: int) -> tuple[int, int, int]:
 def decode_attention(q_b1nh, k_bksh, v_bksh, start_b, end_b, cfg: ModelConfig, *, interpret: bool | None = None):
     """One decode step's attention through the Pallas GPU decode kernel: the query of each row
     attends over its cache slots [start_b, end_b) (see `valid_range`); keys and values [B, K, S, H].
-    Returns f32 [B, 1, N, H] like `cached_attention`. The cache width is padded to the kernel's
-    16-slot granularity only when it is not already a multiple (the samplers' widths are).
+    Returns f32 [B, 1, N, H] like `cached_attention`. A cache width that is not a multiple of the
+    kernel's 16-slot block is padded every step (a copy of the cache): the samplers' widths are a
+    prompt bucket plus a power-of-two new-token bucket, so keep prompt buckets multiples of 16.
 
     `interpret` (default: off on a GPU, on elsewhere) runs the kernel in Pallas interpret mode,
     how the tests check it against `cached_attention` on a CPU."""
