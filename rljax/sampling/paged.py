@@ -58,7 +58,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, cache_slot_axes, forward, rope_table, unstack_layers
+from rljax.models import ModelConfig, cache_slot_axes, forward, rope_table, to_cache_layout, unstack_layers
 from rljax.sampling.continuous import Layout, PromptPool, empty_pool, prefill_into_pool
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, row_keys,
@@ -251,7 +251,8 @@ def _grow(state: PagedState, shared_pages_g, page_size: int) -> PagedState:
 
 
 def gather_view(cfg: ModelConfig, kv, pt: PageTable, next_pos_s, prompt_len: int, width: int, page_size: int):
-    """The slot layout's cache rebuilt from the pages: per layer k [S, K, H, W], v [S, K, W, H] and
+    """The slot layout's cache rebuilt from the pages: per layer keys and values in the cache's
+    layout (`rljax.models.to_cache_layout`: k [S, K, H, W] or [S, K, W, H], v [S, K, W, H]) and
     key positions [S, W], with the prompt's real tokens at [P - len, P) and the generated tokens
     from P (positions -1 elsewhere), and each slot's write index P + generated tokens."""
     j = jnp.arange(width)[None, :]
@@ -261,9 +262,8 @@ def gather_view(cfg: ModelConfig, kv, pt: PageTable, next_pos_s, prompt_len: int
     logical_sw = jnp.clip(logical_sw, 0, pt.table_sk.shape[1] * page_size - 1)
     page_sw = jnp.take_along_axis(pt.table_sk, logical_sw // page_size, axis=1)
     offset_sw = logical_sw % page_size
-    k_order = (1, 0, 3, 2) if cache_slot_axes(cfg)["k"] == 3 else (1, 0, 2, 3)
-    layers = tuple({"k": lkv["k"][:, page_sw, offset_sw, :].transpose(k_order),
-                    "v": lkv["v"][:, page_sw, offset_sw, :].transpose(1, 0, 2, 3)} for lkv in kv)
+    swkh = lambda pages: pages[:, page_sw, offset_sw, :].transpose(1, 2, 0, 3)  # noqa: E731
+    layers = tuple(dict(zip(("k", "v"), to_cache_layout(cfg, swkh(lkv["k"]), swkh(lkv["v"])))) for lkv in kv)
     index_s = prompt_len + next_pos_s - pt.prompt_len_s
     return {"layers": layers, "pos": jnp.where(valid_sw, logical_sw, -1), "index": index_s}
 
