@@ -1,5 +1,6 @@
 """Pure-functional policy and value models: Llama, Qwen2/3 and Gemma 1/2 as params pytrees."""
 
+from rljax.models.auxiliary import FrozenModel
 from rljax.models.config import ModelConfig, from_hf_dict, preset, to_hf_dict
 from rljax.models.gguf import is_gguf, load_gguf, read_gguf_config
 from rljax.models.hf_io import load_hf, read_hf_config, save_hf
@@ -11,7 +12,7 @@ from rljax.models.transformer import (cache_slot_axes, default_positions, forwar
                                      to_cache_layout, unstack_layers)
 
 __all__ = [
-    "ModelConfig", "preset", "from_hf_dict", "to_hf_dict", "load_hf", "save_hf", "read_hf_config",
+    "ModelConfig", "FrozenModel", "preset", "from_hf_dict", "to_hf_dict", "load_hf", "save_hf", "read_hf_config",
     "forward", "hidden_states", "logits_from_hidden", "init_params", "init_cache", "cache_slot_axes",
     "unstack_layers", "rope_table", "prefill_cache", "to_cache_layout",
     "default_positions", "token_logprobs", "fused_logprobs", "output_embedding", "auto_chunk_size", "LogprobChunks",

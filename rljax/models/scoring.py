@@ -206,9 +206,9 @@ def _chunk_ids(plan: _Plan, rows: int, j):
 
 
 def _forward_rows(plan: _Plan, h_rd, w_view, tgt_r, vocab: int):
-    """(log p(target), logsumexp, entropy) of R rows: an online logsumexp over vocabulary chunks
-    (Milakov & Gimelshein, 2018) carrying the running max m, sum e = exp(z - m), sum e * z (for
-    H = lse - sum e z / sum e) and the target's logit."""
+    """(log p(target), logsumexp, entropy, whether the target is the argmax) of R rows: an online
+    logsumexp over vocabulary chunks (Milakov & Gimelshein, 2018) carrying the running max m,
+    sum e = exp(z - m), sum e * z (for H = lse - sum e z / sum e) and the target's logit."""
     def stats(j, carry):
         m, se, sez, zt = carry
         w_cd = w_view if plan.vocab_chunks == 1 else jax.lax.dynamic_index_in_dim(w_view, j, 1, keepdims=False)
@@ -230,7 +230,7 @@ def _forward_rows(plan: _Plan, h_rd, w_view, tgt_r, vocab: int):
         m, se, sez, zt = jax.lax.fori_loop(0, plan.vocab_chunks, stats, init)
     lse = m + jnp.log(se)
     ent = lse - sez / se if plan.with_entropy else jnp.zeros_like(lse)
-    return zt - lse, lse, ent
+    return zt - lse, lse, ent, zt >= m  # zt is one of the z the max ran over: equal when it is the top-1
 
 
 def _backward_rows(plan: _Plan, h_rd, w_view, tgt_r, lse_r, ent_r, g_logp_r, g_ent_r, dw_acc, vocab: int):
@@ -287,7 +287,7 @@ def _fused_fwd(h_btd, w_vd, targets_bt, plan: _Plan):
 
     def chunk(xs):
         h_c, tgt_c = xs
-        outs = _forward_rows(plan, _rows(h_c), w_view, _rows(tgt_c), w_vd.shape[0])
+        outs = _forward_rows(plan, _rows(h_c), w_view, _rows(tgt_c), w_vd.shape[0])[:3]
         return tuple(o.reshape(b, -1) for o in outs)
 
     # One chunk still runs in the loop: unrolled, XLA kept a third [rows, V] block alive at once.
@@ -356,12 +356,38 @@ def fused_logprobs(h_btd, w_vd, targets_bt, *, temperature: float = 1.0, softcap
     return (out[0], out[1]) if with_entropy else (out[0], None)
 
 
+def token_top1(h_btd, w_vd, targets_bt, *, softcap: float | None = None, time_chunk: int | None = None,
+               vocab_chunk: int | None = None):
+    """(log p(target), whether the target is the distribution's top-1) of hidden states h_btd
+    [B, T, D] against the output embedding w_vd [V, D], no gradient: the forward half of
+    `fused_logprobs` (the same chunks, the same online logsumexp), whose running max also says
+    whether the target's logit is the largest. A teacher's grade of sampled tokens
+    (`rljax.update.prepare_batch`) reads both."""
+    b, t, _ = h_btd.shape
+    v = w_vd.shape[0]
+    steps = t if time_chunk is None else max(1, min(time_chunk, t))
+    pieces = 1 if vocab_chunk is None else -(-v // max(1, min(vocab_chunk, v)))
+    plan = _Plan(1.0, None if softcap is None else float(softcap), False, steps, pieces)
+    w_view = _prepare(plan, h_btd, w_vd)
+
+    def chunk(xs):
+        h_c, tgt_c = xs
+        logp, _, _, top1 = _forward_rows(plan, _rows(h_c), w_view, _rows(tgt_c), v)
+        return logp.reshape(b, -1), top1.reshape(b, -1)
+
+    xs = (_to_chunks(h_btd, plan.time_chunk), _to_chunks(targets_bt.astype(jnp.int32), plan.time_chunk))
+    logp, top1 = (_from_chunks(o, t) for o in jax.lax.map(chunk, xs))
+    return jax.lax.stop_gradient(logp), top1
+
+
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_size: int | None = None,
-                   vocab_chunk: int | None = None, remat: bool = False, unroll: bool = False, segment_ids_bt=None):
+                   vocab_chunk: int | None = None, remat: bool = False, unroll: bool = False, segment_ids_bt=None,
+                   return_hidden: bool = False):
     """Log-prob of each token given its prefix, aligned with `tokens_bt`.
 
-    Returns (logp_bt, entropy_bt or None), both [B, T] f32. Column t scores tokens[:, t] under the
+    Returns (logp_bt, entropy_bt or None), both [B, T] f32, and with `return_hidden` the final
+    hidden states [B, T, D] they came from (a full-vocabulary distillation loss reads them). Column t scores tokens[:, t] under the
     distribution predicted at t - 1; column 0 has no prefix and is 0. The vocabulary projection
     is `fused_logprobs`, chunked by `auto_chunk_size` from the shapes; `chunk_size` (time steps)
     and `vocab_chunk` (vocabulary ids) override its choice (a value >= the dimension: one chunk).
@@ -379,7 +405,23 @@ def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=Non
     logp = jnp.concatenate([zero, logp], axis=1)
     if ent is not None:
         ent = jnp.concatenate([zero, ent], axis=1)
-    return logp, ent
+    return (logp, ent, h_btd) if return_hidden else (logp, ent)
+
+
+def teacher_scores(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, *, chunk_size: int | None = None,
+                   vocab_chunk: int | None = None, return_hidden: bool = False):
+    """A frozen model's grade of given tokens, aligned with `tokens_bt` like `token_logprobs`:
+    (logp_bt, top1_bt) and with `return_hidden` its final hidden states [B, T, D]. top1_bt is
+    True where the token is the model's most likely next token (column 0: False)."""
+    h_btd, _ = hidden_states(cfg, params, tokens_bt, None, attn_mask_bt)
+    targets_bt = tokens_bt[:, 1:]
+    chunks = auto_chunk_size(*targets_bt.shape, cfg.vocab_size, time_chunk=chunk_size)
+    logp, top1 = token_top1(h_btd[:, :-1], output_embedding(cfg, params), targets_bt,
+                            softcap=cfg.final_logit_softcap, time_chunk=chunks.time,
+                            vocab_chunk=chunks.vocab if vocab_chunk is None else vocab_chunk)
+    logp = jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], axis=1)
+    top1 = jnp.concatenate([jnp.zeros_like(top1[:, :1]), top1], axis=1)
+    return (logp, top1, jax.lax.stop_gradient(h_btd)) if return_hidden else (logp, top1)
 
 
 # ----------------------------------------------------------------------------- value model

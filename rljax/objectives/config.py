@@ -14,13 +14,14 @@ from typing import Any
 
 from rljax.config_io import bounded
 from rljax.errors import ConfigError
-from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY,
+from rljax.objectives import distill as _distill  # noqa: F401  (registers the distillation objectives)
+from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, DISTILLATION, KL_ESTIMATORS, OFF_POLICY,
                                        POLICY_LOSSES, ROLLOUT_NEEDS)
 
 _BASE: dict[str, Any] = dict(advantage="grpo", policy_loss="ppo_clip", aggregation="seq-mean-token-mean",
                              clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
                              kl_in_reward=False, std_normalize=True, whiten_advantages=False,
-                             value_coef=0.0)
+                             value_coef=0.0, distill="none", reward_weight=1.0)
 
 # The token-level estimators and the discount parameters each reads; gamma or lam != 1 on any
 # other estimator is a config error rather than a silently ignored setting.
@@ -48,6 +49,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cispo": dict(policy_loss="cispo", aggregation="token-mean", clip_eps_low=1.0, clip_eps_high=0.28),
     # TOPR (2025): tapered off-policy REINFORCE with a group-mean baseline, no KL.
     "topr": dict(advantage="dr_grpo", policy_loss="topr", aggregation="seq-mean-token-sum"),
+    # On-policy distillation (Thinking Machines, 2025; GKD and MiniLLM, 2024): the teacher's
+    # per-token reverse KL on the student's samples is the whole advantage (needs [teacher]).
+    "opd": dict(distill="reverse_kl", reward_weight=0.0, aggregation="token-mean"),
+    # GKD (Agarwal et al., 2024): the generalized JSD to the teacher over the whole vocabulary at
+    # each sampled prefix is the whole loss (needs [teacher]).
+    "gkd": dict(distill="gjsd", reward_weight=0.0, aggregation="token-mean"),
 }
 
 
@@ -60,6 +67,8 @@ class RolloutNeeds:
     greedy_baseline: bool = False
     values: bool = False
     reference_logp: bool = False
+    teacher_logp: bool = False
+    teacher_hidden: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +86,13 @@ class AlgorithmConfig:
     for the `off_policy` correction ('none', 'tis', 'mis', or AReaL's 'decoupled' PPO, whose
     trust region is the recomputed proximal policy, at `off_policy_level` token|sequence);
     `off_policy_cap` is each correction's cap (>= 1; `inf`: uncapped).
+
+    On-policy distillation from a frozen teacher (`[teacher]`; `rljax.objectives.distill`):
+    `distill` names the objective ('none', 'reverse_kl', 'gjsd'), `distill_coef` its weight
+    (lambda) and `reward_weight` the RL advantages' weight: A = reward_weight * A_RL +
+    distill_coef * A_distill, or for 'gjsd' the loss gains distill_coef * GJSD.
+    `distill_discount` is reverse_kl's gamma over later tokens (0: each token its own grade),
+    `distill_beta` GJSD's beta (0: forward KL, 1: reverse KL).
 
     The update schedule and compile switches live in `rljax.update.UpdateConfig`, reward shaping
     in `rljax.objectives.shaping.RewardShaping`.
@@ -107,6 +123,11 @@ class AlgorithmConfig:
     off_policy_cap: float = bounded(2.0, ge=1)
     recompute_old_logp: bool = False
     negative_advantage_scale: float = bounded(1.0, ge=0, le=1)
+    distill: str | None = None
+    distill_coef: float = bounded(1.0, ge=0)
+    reward_weight: float | None = bounded(None, ge=0)
+    distill_discount: float = bounded(0.0, ge=0, le=1)
+    distill_beta: float = bounded(0.5, ge=0, le=1)
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:
@@ -120,6 +141,8 @@ class AlgorithmConfig:
         AGGREGATIONS.get(self.aggregation)
         KL_ESTIMATORS.get(self.kl_estimator)
         OFF_POLICY.get(self.off_policy)
+        if self.distill != "none":
+            DISTILLATION.get(self.distill)
 
         def need(ok: bool, msg: str):
             if not ok:
@@ -146,6 +169,11 @@ class AlgorithmConfig:
         need(self.off_policy == "none" or self.recompute_old_logp,
              f"off_policy={self.off_policy!r} needs recompute_old_logp=True (it compares the trainer's "
              "log-probs with the sampler's)")
+        need(self.distill != "none" or self.reward_weight == 1.0,
+             f"reward_weight={self.reward_weight} weighs the RL advantages against a distillation term; with "
+             "distill='none' set reward_weight=1 (or name algorithm.distill)")
+        need(self.distill_discount == 0.0 or self.distill == "reverse_kl",
+             f"distill_discount={self.distill_discount} applies to distill='reverse_kl' only; set it to 0")
         need("values" not in ADVANTAGES.needs(self.advantage) or self.value_coef > 0,
              f"advantage={self.advantage!r} needs a value model: set value_coef > 0")
 
@@ -165,6 +193,7 @@ class AlgorithmConfig:
         declared = set(ADVANTAGES.needs(self.advantage))
         declared |= {"values"} if self.uses_values else set()
         declared |= {"reference_logp"} if self.uses_reference else set()
+        declared |= set(DISTILLATION.needs(self.distill)) if self.distill != "none" else set()
         return RolloutNeeds(**{name: name in declared for name in ROLLOUT_NEEDS})
 
     def replace(self, **changes) -> AlgorithmConfig:

@@ -5,7 +5,8 @@ from the registry and cannot drift from what is implemented. An entry also decla
 needs from the rollout beyond tokens, log-probs and rewards (`ROLLOUT_NEEDS`; only advantage
 estimators declare needs, since they are what receives the optional fields): ReMax's estimator
 needs a greedy baseline, GAE needs a value model. `AlgorithmConfig.needs` collects them, and the
-rollout and update step ask it instead of special-casing an algorithm.
+rollout and update step ask it instead of special-casing an algorithm. A distillation objective
+(`DISTILLATION`) declares what it needs of the teacher the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from rljax.errors import ConfigError
 F = TypeVar("F", bound=Callable)
 
 # What an objective piece can ask of a rollout (see `rljax.objectives.config.RolloutNeeds`).
-ROLLOUT_NEEDS = ("greedy_baseline", "values", "reference_logp")
+# teacher_logp: a frozen teacher's log-prob (and top-1) of each sampled token; teacher_hidden: its
+# final hidden states, for a loss over its whole next-token distribution.
+ROLLOUT_NEEDS = ("greedy_baseline", "values", "reference_logp", "teacher_logp", "teacher_hidden")
 
 
 class Registry(Generic[F]):
@@ -33,8 +36,8 @@ class Registry(Generic[F]):
         """Decorator: `@ADVANTAGES.register("remax", needs=("greedy_baseline",))` adds the
         function under `name`, with what it needs from the rollout (names in `ROLLOUT_NEEDS`)."""
         if needs and not self.accepts_needs:
-            raise ValueError(f"a {self.kind} cannot declare rollout needs (only advantage estimators receive "
-                             "the rollout's optional fields)")
+            raise ValueError(f"a {self.kind} cannot declare rollout needs (only advantage estimators and "
+                             "distillation objectives receive the rollout's optional fields)")
         unknown = set(needs) - set(ROLLOUT_NEEDS)
         if unknown:
             raise ValueError(f"{self.kind} {name!r} needs unknown rollout data {sorted(unknown)}; "
@@ -74,3 +77,4 @@ POLICY_LOSSES: Registry = Registry("policy loss")
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 AGGREGATIONS: Registry = Registry("loss aggregation")
 OFF_POLICY: Registry = Registry("off-policy correction")
+DISTILLATION: Registry = Registry("distillation objective", accepts_needs=True)

@@ -152,6 +152,8 @@ def _state_rows(state) -> list[tuple[str, int | None]]:
             ("reference model", state.reference_bytes), ("value model", state.value_bytes)]
     if state.adapter_bytes:
         rows.append(("LoRA adapters", state.adapter_bytes))
+    if state.teacher_bytes:
+        rows.append(("teacher model (frozen)", state.teacher_bytes))
     if state.sampler_mesh is not None or state.sampler_merged:
         rows.append(("sampler's params copy" + (" (LoRA merged)" if state.sampler_merged else ""),
                      state.sampler_params_bytes))

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rljax.models import ModelConfig, init_params
+from rljax.models.auxiliary import FrozenModel
 from rljax.rewards import as_callback
 from rljax.sharding import Layout, abstract_like
 from rljax.sharding.rules import batch_axes
@@ -98,11 +99,12 @@ class StateMemory:
     sampler_params_bytes: int
     adapter_bytes: int = 0  # LoRA adapters (`params` is then the frozen base)
     sampler_merged: bool = False  # LoRA: the sampler decodes a merged copy, not the state's params
+    teacher_bytes: int = 0  # a frozen distillation teacher (`algorithm.distill`)
 
     @property
     def total_bytes(self) -> int:
         return (self.params_bytes + self.opt_state_bytes + self.reference_bytes + self.value_bytes + self.other_bytes
-                + self.adapter_bytes)
+                + self.adapter_bytes + self.teacher_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +151,13 @@ def abstract_train_state(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainState
     """The run's fresh train state as ShapeDtypeStructs (`init_train_state` traced, not run). With
     `lora.adapter` set, the adapter's files are read for its rank and targets."""
     lora, adapters = setup.build_lora(cfg.lora, model_cfg)
+    teacher_cfg = setup.teacher_config(cfg.teacher, model_cfg) if cfg.algorithm.needs.teacher_logp else None
 
     def init(adapters):
         params = init_params(model_cfg, jax.random.key(0))
+        teacher = None if teacher_cfg is None else FrozenModel(teacher_cfg, init_params(teacher_cfg, jax.random.key(1)))
         return init_train_state(model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                                shaping=cfg.shaping, lora=lora, adapters=adapters)
+                                shaping=cfg.shaping, lora=lora, adapters=adapters, teacher=teacher)
     return jax.eval_shape(init, adapters)
 
 
@@ -242,6 +246,7 @@ class _Pieces:
             params_bytes=device_bytes(s.params), opt_state_bytes=device_bytes(s.opt_state),
             reference_bytes=device_bytes(s.ref_params), value_bytes=device_bytes(s.value_params),
             other_bytes=device_bytes(s.step), adapter_bytes=device_bytes(s.adapters),
+            teacher_bytes=device_bytes(s.teacher),
             sampler_params_bytes=device_bytes(self.params) if self.sampler is not None or s.lora is not None else 0,
             sampler_merged=s.lora is not None and s.lora.merge_for_sampling)
 

@@ -60,6 +60,24 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherSection:
+    """A frozen distillation teacher (`algorithm.distill`; `rljax.objectives.distill`): a HF
+    directory, a GGUF file or a packaged model's name, of any supported family and size that
+    shares the policy's vocabulary and tokenizer (a tokenizer in its directory is compared with
+    the policy's). It is held in the trainer's layout beside the policy, in `param_dtype`, and
+    scores in `compute_dtype`."""
+
+    checkpoint: str | None = None
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        if self.checkpoint is not None and is_remote(self.checkpoint):
+            raise ConfigError(f"teacher.checkpoint={self.checkpoint!r}: a model is read from a local directory; copy "
+                              f"it first ({copy_locally_hint(self.checkpoint)}) and set teacher.checkpoint to the copy")
+
+
+@dataclasses.dataclass(frozen=True)
 class SourceSection:
     """One task of a mixture (`[[data.sources]]`).
 
@@ -426,6 +444,8 @@ class TrainConfig:
     lora: LoraConfig = LoraConfig()
     # Multi-turn episodes with a tool; unset, rollouts are single completions.
     env: EnvSection = EnvSection()
+    # A frozen teacher for on-policy distillation (`algorithm.distill`); unset, none.
+    teacher: TeacherSection = TeacherSection()
 
     def __post_init__(self):
         n = self.rl.prompts_per_iteration * self.sampling.num_samples
@@ -448,6 +468,7 @@ class TrainConfig:
         if self.env.enabled and self.env.credit == "turn":
             self._check_turn_credit()
         self._check_mode()
+        self._check_teacher()
         if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
                               f"update.num_minibatches * num_microbatches = {self.update.chunks}")
@@ -461,6 +482,21 @@ class TrainConfig:
         if self.algorithm.kl_in_reward or self.shaping.active:
             raise ConfigError("env.credit='turn' computes advantages from the env's turn rewards; it does not combine "
                               "with algorithm.kl_in_reward or [shaping]: drop them or set env.credit='episode'")
+
+    def _check_teacher(self) -> None:
+        distills = self.algorithm.distill != "none"
+        if distills and not self.teacher.checkpoint:
+            raise ConfigError(f"algorithm.distill={self.algorithm.distill!r} grades samples with a teacher: set "
+                              "teacher.checkpoint (a HF directory, GGUF file or packaged model sharing the policy's "
+                              "tokenizer)")
+        if self.teacher.checkpoint and not distills:
+            raise ConfigError("teacher.checkpoint is set but algorithm.distill='none': name an objective "
+                              "(algorithm.distill='reverse_kl' or 'gjsd', or algorithm.algorithm='opd') or drop "
+                              "teacher.checkpoint")
+        if self.algorithm.needs.teacher_hidden and self.update.packing:
+            raise ConfigError(f"algorithm.distill={self.algorithm.distill!r} reads whole rows' distributions, which "
+                              "packed micro-batches do not keep: set update.packing=false or algorithm.distill="
+                              "'reverse_kl'")
 
     def _check_mode(self) -> None:
         """The overlapped modes run the single-source pipeline with a sampler on its own devices."""

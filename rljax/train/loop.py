@@ -102,6 +102,7 @@ class Run:
     ckpt: Checkpointer
     log: Callable[[str], None]
     env: Any = None  # the `[env]` section's environment (multi-turn episodes), or None
+    teacher: Any = None  # the frozen distillation teacher (`rljax.models.FrozenModel`), or None
     resumed_overlap: dict | None = None  # the overlapped driver's checkpointed state, when resuming
 
 
@@ -170,6 +171,8 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     tokenizer = setup.build_tokenizer(cfg.model)
     model_cfg, params = setup.build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
     lora, adapters = setup.build_lora(cfg.lora, model_cfg)
+    teacher = (setup.build_teacher(cfg.teacher, model_cfg, tokenizer, k_init, trainer_layout)
+               if cfg.algorithm.needs.teacher_logp else None)
     fmt = setup.prompt_format(cfg.data)
     num_prompts = max(1, round(cfg.rl.prompts_per_iteration * cfg.rl.oversample)) if cfg.rl.dynamic_sampling \
         else cfg.rl.prompts_per_iteration
@@ -207,12 +210,16 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
         + "".join(f" | {what} {n}" for what, n in dropped.items() if n))
     if lora is not None:
         log(setup.lora_summary(lora, model_cfg, params))
+    if teacher is not None:
+        log(f"teacher {teacher.cfg.model_type} {teacher.num_params / 1e6:.2f}M params, frozen "
+            f"({cfg.algorithm.distill}, distill_coef {cfg.algorithm.distill_coef:g}, "
+            f"reward_weight {cfg.algorithm.reward_weight:g})")
     writer = MetricsWriter(out, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                         best_metric=cfg.checkpoint.best_metric, processes=remote.checkpoint_processes(cfg))
     env = setup.build_env(cfg.env) if cfg.env.enabled else None
-    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env,
+    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env, teacher=teacher,
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
                model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
                reward_fn=reward_fn, data=data, sampler=sampler, replay=replay,
@@ -224,7 +231,8 @@ def new_train_state(run: Run, params) -> TrainState:
     out of one program with the layout's `out_shardings` (`init_train_state`), params as they are."""
     cfg = run.cfg
     return init_train_state(run.model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                            shaping=cfg.shaping, layout=run.trainer_layout, lora=run.lora, adapters=run.adapters)
+                            shaping=cfg.shaping, layout=run.trainer_layout, lora=run.lora, adapters=run.adapters,
+                            teacher=run.teacher)
 
 
 def abstract_train_state(run: Run) -> TrainState:
@@ -233,9 +241,10 @@ def abstract_train_state(run: Run) -> TrainState:
     cfg = run.cfg
     abstract_params, abstract_adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                                       (run.params, run.adapters))
-    state = jax.eval_shape(lambda p, a: init_train_state(run.model_cfg, p, cfg.algorithm, cfg.optim,
-                                                         update_cfg=cfg.update, shaping=cfg.shaping, lora=run.lora,
-                                                         adapters=a), abstract_params, abstract_adapters)
+    state = jax.eval_shape(lambda p, a, t: init_train_state(run.model_cfg, p, cfg.algorithm, cfg.optim,
+                                                            update_cfg=cfg.update, shaping=cfg.shaping, lora=run.lora,
+                                                            adapters=a, teacher=t),
+                           abstract_params, abstract_adapters, run.teacher)
     if run.trainer_layout is None:
         return state
     return abstract_like(state, run.trainer_layout.tree(state))
@@ -278,8 +287,9 @@ def restore(run: Run, data_iter) -> tuple[TrainState, int]:
     run.log(f"resumed from {run.ckpt.directory}/{restored.step}")
     if run.cfg.rl.mode == "async":
         run.log("async: the batches in flight at the checkpoint are dropped; the rollout queue restarts empty")
+    # The teacher is not checkpointed: the run holds it as loaded from teacher.checkpoint.
     return template.replace(params=restored.params, opt_state=restored.opt_state, adapters=restored.adapters,
-                            **state_extra), restored.step
+                            teacher=run.teacher, **state_extra), restored.step
 
 
 def evaluate(run: Run, state: TrainState) -> dict[str, float]:

@@ -18,7 +18,7 @@ from rljax.data.selection import make_policy
 from rljax.data.sources import load_task, reasoning_gym_generator
 from rljax.data.splits import drop_overlap, heldout_split
 from rljax.data.templates import PromptFormat, render_prompt
-from rljax.errors import ConfigError
+from rljax.errors import ConfigError, RljaxError
 from rljax.lora import LoraConfig, adapter_shapes, load_peft
 from rljax.models import ModelConfig, init_params, is_gguf, load_gguf, load_hf, read_gguf_config, read_hf_config
 from rljax.models import resolve_checkpoint
@@ -26,8 +26,9 @@ from rljax.models.attention import describe_attention
 from rljax.sharding import Layout
 from rljax.tokenizers import Tokenizer
 from rljax.tokenizers import load as load_tokenizer
+from rljax.models.auxiliary import FrozenModel, check_vocabulary
 from rljax.train.config import (DataSection, EnvSection, MeshSection, ModelSection, RewardSection, SourceSection,
-                                TrainConfig)
+                                TeacherSection, TrainConfig)
 
 
 def build_tokenizer(section: ModelSection) -> Tokenizer:
@@ -69,6 +70,46 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
         return load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
                     shardings=shardings, attention=section.attention, decode_attention=section.decode_attention)
     return cfg, init_params(cfg, key, shardings=shardings)
+
+
+def teacher_config(section: TeacherSection, policy: ModelConfig) -> ModelConfig:
+    """The teacher's ModelConfig without allocating (its config.json or GGUF header), checked to
+    share the policy's vocabulary."""
+    path = resolve_checkpoint(section.checkpoint)
+    read = read_gguf_config if is_gguf(path) else read_hf_config
+    cfg = read(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+    check_vocabulary(policy, cfg, "teacher")
+    return cfg
+
+
+def _same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers map every id to the same text."""
+    if a.vocab_size != b.vocab_size:
+        return False
+    ids = [[i] for i in range(a.vocab_size)]
+    return a.decode_batch(ids, skip_special=False) == b.decode_batch(ids, skip_special=False)
+
+
+def build_teacher(section: TeacherSection, policy: ModelConfig, tokenizer: Tokenizer, key: jax.Array,
+                  layout: Layout | None = None) -> FrozenModel:
+    """The distillation teacher, born sharded in the trainer's `layout` like the policy (each
+    tensor streamed into its shards). Its vocabulary must be the policy's, and a tokenizer shipped
+    with it must be the policy's tokenizer: one line otherwise (re-tokenisation is not supported)."""
+    cfg = teacher_config(section, policy)
+    path = resolve_checkpoint(section.checkpoint)
+    try:
+        own = load_tokenizer(path)
+    except RljaxError:  # no tokenizer files beside it: the vocabulary check above stands
+        own = None
+    if own is not None and not _same_tokenizer(own, tokenizer):
+        raise ConfigError(f"teacher.checkpoint={section.checkpoint!r} ships a tokenizer other than the policy's; "
+                          "distillation compares token ids, so the teacher must use the policy's tokenizer "
+                          "(re-tokenisation is not supported)")
+    shardings = layout.params(jax.eval_shape(lambda: init_params(cfg, key))) if layout is not None else None
+    load = load_gguf if is_gguf(path) else load_hf
+    cfg, params = load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                       shardings=shardings)
+    return FrozenModel(cfg, params)
 
 
 def build_lora(section: LoraConfig, cfg: ModelConfig) -> tuple[LoraConfig | None, Any]:

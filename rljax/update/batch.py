@@ -22,10 +22,11 @@ import jax.numpy as jnp
 
 from rljax.errors import ConfigError
 from rljax.models import token_logprobs, values
+from rljax.models.scoring import teacher_scores
 from rljax.objectives.advantages import (scale_negative_advantages, takes_turn_returns, whiten_advantages,
                                          zero_variance_groups)
 from rljax.objectives.kl import kl
-from rljax.objectives.registry import ADVANTAGES, OFF_POLICY
+from rljax.objectives.registry import ADVANTAGES, DISTILLATION, OFF_POLICY
 
 sg = jax.lax.stop_gradient
 
@@ -80,7 +81,8 @@ class PreparedBatch:
     old_logp_bt: the ratio's denominator (the sampler's log-probs, or the trainer's own when
     `recompute_old_logp`); is_weight_bt: the off-policy weight (1 without a correction);
     advantages_bt: per-token advantages (0 off the mask); ref_logp_bt: the reference policy's
-    log-probs (KL term); old_values_bt / returns_bt: the value model's targets (PPO).
+    log-probs (KL term); old_values_bt / returns_bt: the value model's targets (PPO);
+    teacher_hidden_btd: a distillation teacher's final hidden states (a full-vocabulary loss).
     """
 
     tokens_bt: jax.Array
@@ -92,6 +94,7 @@ class PreparedBatch:
     ref_logp_bt: jax.Array | None = None
     old_values_bt: jax.Array | None = None
     returns_bt: jax.Array | None = None
+    teacher_hidden_btd: jax.Array | None = None
 
 
 def state_values(cfg, value_params, tokens_bt, attn_mask_bt, *, remat: bool = False, unroll: bool = False):
@@ -106,7 +109,7 @@ def _chunked(fn, chunks: int, *arrays):
         return fn(*arrays)
     split = [a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]) for a in arrays]
     out = jax.lax.map(lambda xs: fn(*xs), tuple(split))
-    return out.reshape(-1, *out.shape[2:])
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
 
 
 # Needs the rollout itself must provide, by the `RolloutBatch` field that carries each (values
@@ -196,6 +199,16 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
         values_bt=old_values, gamma=algo.gamma, lam=algo.lam, std_normalize=algo.std_normalize, eps=algo.eps,
         **turns)
     returns = None if old_values is None else sg(adv + old_values)  # value targets from raw advantages
+    teacher_hidden = None
+    if needs.teacher_logp:
+        teacher_logp, teacher_hidden, distill_metrics = _teacher_grades(state, toks, attn, old_logp, mask, chunks)
+        metrics.update(distill_metrics)
+        objective = DISTILLATION.get(algo.distill)
+        if objective.kind == "advantage":
+            adv = algo.reward_weight * adv + algo.distill_coef * objective.fn(old_logp, teacher_logp, mask,
+                                                                             discount=algo.distill_discount)
+        else:
+            adv = algo.reward_weight * adv
     if algo.whiten_advantages:
         adv = whiten_advantages(adv, mask)
     if algo.negative_advantage_scale != 1.0:
@@ -216,8 +229,33 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     })
     prepared = PreparedBatch(tokens_bt=toks, attn_mask_bt=attn, loss_mask_bt=mask, old_logp_bt=old_logp,
                              is_weight_bt=is_w, advantages_bt=adv, ref_logp_bt=ref_logp,
-                             old_values_bt=old_values, returns_bt=returns)
+                             old_values_bt=old_values, returns_bt=returns, teacher_hidden_btd=teacher_hidden)
     return prepared, metrics
+
+
+def _teacher_grades(state, toks, attn, student_logp, mask, chunks: int):
+    """The teacher's log-probs of the sampled tokens (in row blocks, through the trainer's chunked
+    vocabulary projection), its final hidden states when the objective reads its whole
+    distribution, and the `distill/...` metrics over the completion tokens: the sampled reverse
+    KL log pi_S - log pi_T, the teacher's mean log-prob, and the share of tokens that are the
+    teacher's top-1."""
+    teacher = state.teacher
+    if teacher is None:
+        raise ConfigError(f"algorithm.distill={state.algo.distill!r} needs a teacher in the train state: set "
+                          "teacher.checkpoint (init_train_state(..., teacher=...))")
+    tcfg = teacher.cfg
+    keep_hidden = state.algo.needs.teacher_hidden
+    lp_chunks = state.update_cfg.chunk_for(toks.shape[0] // chunks, toks.shape[1], tcfg.vocab_size)
+    graded = _chunked(lambda t, a: teacher_scores(tcfg, teacher.params, t, a, chunk_size=lp_chunks.time,
+                                                  vocab_chunk=lp_chunks.vocab, return_hidden=keep_hidden),
+                      chunks, toks, attn)
+    teacher_logp, top1 = sg(graded[0]), graded[1]
+    on = mask > 0
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    metrics = {"distill/reverse_kl": jnp.sum(jnp.where(on, student_logp - teacher_logp, 0.0)) / n,
+               "distill/teacher_logp": jnp.sum(jnp.where(on, teacher_logp, 0.0)) / n,
+               "distill/teacher_top1_match": jnp.sum(on & top1) / n}
+    return teacher_logp, (graded[2] if keep_hidden else None), metrics
 
 
 def rows(tree: Any, n: int):

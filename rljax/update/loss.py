@@ -13,12 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, token_logprobs
+from rljax.errors import ConfigError
+from rljax.models import ModelConfig, output_embedding, token_logprobs
+from rljax.models.auxiliary import FrozenModel
 from rljax.objectives.aggregation import aggregate_parts
 from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.kl import kl
 from rljax.objectives.losses import value_loss
-from rljax.objectives.registry import POLICY_LOSSES
+from rljax.objectives.registry import DISTILLATION, POLICY_LOSSES
 from rljax.update.batch import PreparedBatch, state_values
 from rljax.update.config import UpdateConfig
 from rljax.update.packing import Slab
@@ -36,7 +38,8 @@ def aggregation_denominator(batch: PreparedBatch, algo: AlgorithmConfig, norm_le
 
 def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: ModelConfig, algo: AlgorithmConfig,
                     update_cfg: UpdateConfig, norm_length: int, share: float = 1.0, models=None,
-                    slab: Slab | None = None) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
+                    slab: Slab | None = None, teacher: FrozenModel | None = None
+                    ) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
     """Total loss of one micro-batch (numerators over the mini-batch denominator `den`) and its
     metrics: (numerator, denominator) pairs and extremes. `share` is this micro-batch's share of
     the mini-batch (1 / num_microbatches), so loss pairs (num, share * den) sum to the mini-batch's
@@ -45,17 +48,25 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
 
     With `slab` (a packed micro-batch, `rljax.update.packing`), `batch` is the whole mini-batch:
     the model runs on the slab's packed buffers, its outputs land on their padded rows, and the
-    loss reads only those rows (the others are masked out)."""
+    loss reads only those rows (the others are masked out).
+
+    A distillation loss (`algorithm.distill = "gjsd"`) adds distill_coef x its aggregated
+    per-token divergence to the `teacher`'s distribution (hidden states from `prepare_batch`)."""
     params, value_params = trainable if models is None else models(trainable)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy
     v_bt = None
+    distill = DISTILLATION.get(algo.distill) if algo.distill != "none" else None
+    distill_loss = distill is not None and distill.kind == "loss"
+    if distill_loss and slab is not None:
+        raise ConfigError(f"algorithm.distill={algo.distill!r} reads whole rows' distributions, which packed "
+                          "micro-batches do not keep: set update.packing=false")
     if slab is None:
         lp_chunks = update_cfg.chunk_for(b, t, cfg.vocab_size)
-        logp, ent = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
-                                   chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
-                                   unroll=update_cfg.layers_unrolled())
+        logp, ent, *h_s = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
+                                         chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
+                                         unroll=update_cfg.layers_unrolled(), return_hidden=distill_loss)
     else:
         lp_chunks = update_cfg.chunk_for(slab.buffers, slab.plan.pack_length, cfg.vocab_size)
         logp, ent, v_bt = slab.scores(cfg, params, value_params if algo.uses_values else None, batch.tokens_bt,
@@ -98,6 +109,15 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
             num_kl = agg(kl_bt)
             total = total + algo.kl_coef * num_kl / den
             pairs["loss/kl"] = (sg(num_kl), loss_den)
+    if distill_loss:
+        jsd_bt = distill.fn(h_s[0], output_embedding(cfg, params), batch.teacher_hidden_btd,
+                            output_embedding(teacher.cfg, teacher.params), beta=algo.distill_beta,
+                            softcap_s=cfg.final_logit_softcap, softcap_t=teacher.cfg.final_logit_softcap,
+                            time_chunk=lp_chunks.time, vocab_chunk=lp_chunks.vocab)
+        num_d = agg(jsd_bt)
+        total = total + algo.distill_coef * num_d / den
+        pairs["loss/distill"] = (sg(num_d), loss_den)
+        pairs["distill/gjsd"] = (msum(jsd_bt), n_tok)
     if algo.uses_values:
         if v_bt is None:
             v_bt = state_values(cfg, value_params, batch.tokens_bt, batch.attn_mask_bt, remat=update_cfg.remat,

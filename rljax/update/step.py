@@ -28,6 +28,7 @@ import optax
 from rljax.errors import ConfigError
 from rljax.lora import LoraConfig, attach, attach_value, init_adapters, init_value_adapters, merge
 from rljax.models import ModelConfig, init_value_params
+from rljax.models.auxiliary import FrozenModel, check_vocabulary
 from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig, make_optimizer, make_schedule
@@ -47,7 +48,11 @@ class TrainState:
     With LoRA (`lora` set, `rljax.lora`) `params` is the frozen base model and `adapters` are what
     the update trains (with the critic's adapters and head in `value_params`, when there is a
     critic): gradients and optimiser state cover `trainable` only, and the reference policy is
-    the base itself (`reference_params`), so `ref_params` stays None."""
+    the base itself (`reference_params`), so `ref_params` stays None.
+
+    `teacher` is a frozen distillation teacher (`rljax.models.FrozenModel`, any architecture with
+    the policy's vocabulary) when the objective distils (`algorithm.distill`): scored inside the
+    update, never trained, and returned as it came."""
 
     model_cfg: ModelConfig = flax.struct.field(pytree_node=False)
     algo: AlgorithmConfig = flax.struct.field(pytree_node=False)
@@ -61,6 +66,7 @@ class TrainState:
     ref_params: Params | None = None
     adapters: Params | None = None
     lora: LoraConfig | None = flax.struct.field(pytree_node=False, default=None)
+    teacher: FrozenModel | None = None
 
     @property
     def trainable(self) -> tuple[Params, Params | None]:
@@ -101,7 +107,7 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
                      update_cfg: UpdateConfig = UpdateConfig(), shaping: RewardShaping = RewardShaping(),
                      value_params: Params | None = None, key: jax.Array | None = None,
                      layout: Layout | None = None, lora: LoraConfig | None = None,
-                     adapters: Params | None = None) -> TrainState:
+                     adapters: Params | None = None, teacher: FrozenModel | None = None) -> TrainState:
     """A fresh train state. The reference policy is a frozen copy of `params` when the objective
     needs reference log-probs (a KL term); a value model is built on the policy backbone when it
     needs values (`value_coef > 0`).
@@ -115,10 +121,17 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
     `out_shardings` are `layout.tree` of the abstract state (`jax.eval_shape`), so each device
     writes only its own shards and no device holds a whole weight. `params` pass through as they
     are when already in the layout (no copy); otherwise they are moved there device to device
-    first. Without a layout the state is built eagerly next to `params`."""
+    first. Without a layout the state is built eagerly next to `params`. A distilling objective
+    needs a `teacher` (`FrozenModel`), which is held as it comes (load it in the layout)."""
     key = key if key is not None else jax.random.key(0)
     lora = lora if lora is not None and lora.enabled else None
-    configs = dict(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping, lora=lora)
+    if algo.needs.teacher_logp and teacher is None:
+        raise ConfigError(f"algorithm.distill={algo.distill!r} grades samples with a teacher: pass teacher= (a run "
+                          "loads it from teacher.checkpoint)")
+    if teacher is not None:
+        check_vocabulary(model_cfg, teacher.cfg, "teacher")
+    configs = dict(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping, lora=lora,
+                   teacher=teacher if algo.needs.teacher_logp else None)
     if layout is None:
         return TrainState(**configs, params=params,
                           **_fresh_parts(model_cfg, algo, optim, lora, params, value_params, adapters, key))
@@ -211,7 +224,8 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
             part, key = xs
             models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
             (_, aux), grads = grad_fn(trainable, part, den, cfg=cfg, algo=algo, update_cfg=sched,
-                                      norm_length=norm_length, share=1.0 / n_micro, models=models)
+                                      norm_length=norm_length, share=1.0 / n_micro, models=models,
+                                      teacher=state.teacher)
             return jax.tree.map(jnp.add, g_acc, grads), aux
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
@@ -229,7 +243,8 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
             key = jax.random.fold_in(mb_key, i)
             models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
             return grad_fn(trainable, mb, den, cfg=cfg, algo=algo, update_cfg=sched, norm_length=norm_length,
-                           share=1.0 / jnp.maximum(n_slabs, 1), models=models, slab=Slab(plan, i * per, per))
+                           share=1.0 / jnp.maximum(n_slabs, 1), models=models, slab=Slab(plan, i * per, per),
+                           teacher=state.teacher)
 
         def body(i, carry):
             g_acc, pairs_acc, ext_acc = carry
