@@ -29,10 +29,10 @@ def _teacher(seed=7):
     return FrozenModel(TEACHER_CFG, init_params(TEACHER_CFG, jax.random.key(seed)))
 
 
-def _batch(seed, b=8, t=12, rewards=None):
+def _batch(seed, b=8, t=12, rewards=None, cfg=CFG, params=None):
     """Left-padded prompts, ragged completions, on-policy sampler log-probs of the student."""
     rng = np.random.default_rng(seed)
-    toks = rng.integers(0, CFG.vocab_size, (b, t))
+    toks = rng.integers(0, cfg.vocab_size, (b, t))
     attn = np.ones((b, t), bool)
     loss = np.zeros((b, t), bool)
     for i in range(b):
@@ -41,7 +41,8 @@ def _batch(seed, b=8, t=12, rewards=None):
         loss[i, PROMPT:PROMPT + n] = True
         attn[i, PROMPT + n:] = False
     toks = np.where(attn, toks, 0)
-    logp, _ = token_logprobs(CFG, init_params(CFG, jax.random.key(0)), jnp.asarray(toks), jnp.asarray(attn))
+    params = init_params(cfg, jax.random.key(0)) if params is None else params
+    logp, _ = token_logprobs(cfg, params, jnp.asarray(toks), jnp.asarray(attn))
     rewards = rng.integers(0, 2, b).astype(np.float32) if rewards is None else rewards
     return RolloutBatch(tokens_bt=jnp.asarray(toks), attn_mask_bt=jnp.asarray(attn), loss_mask_bt=jnp.asarray(loss),
                         sampler_logp_bt=jnp.where(jnp.asarray(loss), logp, 0.0), rewards_b=jnp.asarray(rewards),
@@ -392,3 +393,39 @@ def test_run_config_refusals_are_one_line(tmp_path):
     tok = load_tokenizer("chars:0123456789+-= ")
     with pytest.raises(ConfigError, match="tokenizer other than the policy's"):
         setup.build_teacher(cfg.teacher, setup.policy_config(cfg.model, tok), tok, jax.random.key(0))
+
+
+def test_sharded_teacher_is_placed_like_the_policy_and_updates_as_on_one_device(tmp_path):
+    """On 8 devices (fsdp=4 x tensor=2) `build_teacher` streams the teacher into the trainer's
+    layout (every leaf in the sharding the policy's path rules give it), and an opd update of the
+    sharded state equals the one-device update: the distillation metrics to 1e-5, the params to
+    float rounding. Catches a teacher left whole on one device, and a sharded grade that differs
+    from the unsharded one (e.g. rows scored against the wrong shard of the teacher)."""
+    from rljax import sharding
+    from rljax.tokenizers import load as load_tokenizer
+    from rljax.train import setup
+    from rljax.train.config import load_config
+
+    layout = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(fsdp=4, tensor=2)))
+    cfg = load_config(None, TINY_RUN + ["algorithm.algorithm=opd", f"teacher.checkpoint='{_teacher_dir(tmp_path)}'"])
+    tok = load_tokenizer("chars:0123456789+-= ")
+    policy_cfg = setup.policy_config(cfg.model, tok)
+    params = init_params(policy_cfg, jax.random.key(0))
+    batch = _batch(0, cfg=policy_cfg, params=params)
+    results = []
+    for where in (None, layout):
+        teacher = setup.build_teacher(cfg.teacher, policy_cfg, tok, jax.random.key(0), where)
+        if where is not None:
+            want = jax.tree.leaves(layout.params(teacher.params))
+            assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(teacher.params), want))
+            assert any(len(x.sharding.device_set) == 8 and x.addressable_shards[0].data.size < x.size
+                       for x in jax.tree.leaves(teacher.params))  # split, not replicated
+        fresh = init_params(policy_cfg, jax.random.key(0))  # (update_step donates the state)
+        state = init_train_state(policy_cfg, fresh, cfg.algorithm, cfg.optim, key=jax.random.key(1), layout=where,
+                                 teacher=teacher)
+        state, metrics = update_step(state, batch, jax.random.key(0))
+        results.append((jax.tree.map(np.asarray, state.params), {k: float(v) for k, v in metrics.items()}))
+    (p1, m1), (p8, m8) = results
+    for name in ("distill/reverse_kl", "distill/teacher_logp", "distill/teacher_top1_match"):
+        np.testing.assert_allclose(m8[name], m1[name], rtol=1e-5, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p8, p1)

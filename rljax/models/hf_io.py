@@ -69,7 +69,8 @@ def _hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]
     return m
 
 
-_TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+_TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head",
+              "score.weight": "score", "score.bias": "score_bias"}
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -103,8 +104,33 @@ def read_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     return from_hf_dict(json.loads(cfg_file.read_text()), **overrides)
 
 
+def head_shapes(cfg: ModelConfig, num_labels: int | None, bias: bool = False):
+    """Our params' shapes for a model with a causal LM head (`num_labels` None) or, instead of
+    it, a classification head `score` [D, num_labels] and, with `bias`, `score_bias` [L] (HF's
+    *ForSequenceClassification: the backbone plus a bias-free `score` Linear;
+    *ForTokenClassification: the same Linear with a bias)."""
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    if num_labels is None:
+        return shapes
+    dtype = shapes["embed"].dtype
+    shapes = {k: v for k, v in shapes.items() if k != "lm_head"}
+    shapes["score"] = jax.ShapeDtypeStruct((cfg.hidden_size, num_labels), dtype)
+    if bias:
+        shapes["score_bias"] = jax.ShapeDtypeStruct((num_labels,), dtype)
+    return shapes
+
+
+def has_head_bias(path: str | os.PathLike) -> bool:
+    """Whether a classification checkpoint's head has a bias (`score.bias`), from its headers."""
+    for file in _checkpoint_files(Path(path)):
+        with safe_open(str(file), framework="np") as f:
+            if "score.bias" in f.keys():
+                return True
+    return False
+
+
 def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32", compute_dtype: str = "float32",
-            shardings=None, **overrides) -> tuple[ModelConfig, Params]:
+            shardings=None, num_labels: int | None = None, **overrides) -> tuple[ModelConfig, Params]:
     """Loads a HF checkpoint directory into (config, params), streaming one tensor at a time.
 
     Every tensor is checked against config.json from its header first (a wrong shape is named by
@@ -117,10 +143,14 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32", compute_dt
     no device and no host buffer holds more than its shards plus the one tensor being read, and
     each process of a multi-process run reads only what its own devices hold. Without
     `shardings` the params land on the default device, one leaf at a time.
+
+    `num_labels` loads a classification checkpoint instead (a reward model:
+    `rljax.models.heads`): the backbone and its `score.weight` head, as params["score"] [D, L]
+    (and its `score.bias`, when it has one, as params["score_bias"] [L]).
     """
     path = Path(path)
     cfg = read_hf_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    shapes = head_shapes(cfg, num_labels, bias=num_labels is not None and has_head_bias(path))
     sources = _tensor_sources(path, cfg, shapes)
     np_dtype = _NP_DTYPES[param_dtype]
     if shardings is None:
@@ -155,7 +185,8 @@ def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int
                 if _IGNORED.match(name):
                     continue
                 if name in _TOP_LEVEL:
-                    ours, layer, to_ours = _TOP_LEVEL[name], -1, (lambda w: w)
+                    ours, layer = _TOP_LEVEL[name], -1
+                    to_ours = (lambda w: w.T) if ours == "score" else (lambda w: w)  # torch Linear [L, D]
                     if ours == "lm_head" and cfg.tie_embeddings:
                         continue  # some exporters also write the tied head; the embedding wins
                     want = shapes[ours].shape if ours in shapes else None
@@ -250,7 +281,11 @@ def _hf_tensors(cfg: ModelConfig, params: Params):
         for i in range(cfg.num_layers):
             yield f"model.layers.{i}.{suffix}", np.ascontiguousarray(to_hf(np.asarray(stacked[i])))
     yield "model.norm.weight", np.asarray(params["final_norm"])
-    if not cfg.tie_embeddings:
+    if "score" in params:  # a classification head instead of the LM head
+        yield "score.weight", np.ascontiguousarray(np.asarray(params["score"]).T)
+        if "score_bias" in params:
+            yield "score.bias", np.asarray(params["score_bias"])
+    elif not cfg.tie_embeddings:
         yield "lm_head.weight", np.asarray(params["lm_head"])
 
 

@@ -154,6 +154,8 @@ def _state_rows(state) -> list[tuple[str, int | None]]:
         rows.append(("LoRA adapters", state.adapter_bytes))
     if state.teacher_bytes:
         rows.append(("teacher model (frozen)", state.teacher_bytes))
+    if state.reward_model_bytes:
+        rows.append(("reward model (frozen)", state.reward_model_bytes))
     if state.sampler_mesh is not None or state.sampler_merged:
         rows.append(("sampler's params copy" + (" (LoRA merged)" if state.sampler_merged else ""),
                      state.sampler_params_bytes))

@@ -47,6 +47,8 @@ from jax.sharding import PartitionSpec as P
 
 from rljax.models import ModelConfig, init_params
 from rljax.models.auxiliary import FrozenModel
+from rljax.models.hf_io import head_shapes
+from rljax.rewards.learned import LearnedReward
 from rljax.rewards import as_callback
 from rljax.sharding import Layout, abstract_like
 from rljax.sharding.rules import batch_axes
@@ -95,16 +97,17 @@ class StateMemory:
     opt_state_bytes: int
     reference_bytes: int
     value_bytes: int
-    other_bytes: int  # the step counter
+    other_bytes: int  # the step counter (and a learned reward's running moments)
     sampler_params_bytes: int
     adapter_bytes: int = 0  # LoRA adapters (`params` is then the frozen base)
     sampler_merged: bool = False  # LoRA: the sampler decodes a merged copy, not the state's params
     teacher_bytes: int = 0  # a frozen distillation teacher (`algorithm.distill`)
+    reward_model_bytes: int = 0  # a learned reward model (`reward.model`)
 
     @property
     def total_bytes(self) -> int:
         return (self.params_bytes + self.opt_state_bytes + self.reference_bytes + self.value_bytes + self.other_bytes
-                + self.adapter_bytes + self.teacher_bytes)
+                + self.adapter_bytes + self.teacher_bytes + self.reward_model_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +155,25 @@ def abstract_train_state(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainState
     `lora.adapter` set, the adapter's files are read for its rank and targets."""
     lora, adapters = setup.build_lora(cfg.lora, model_cfg)
     teacher_cfg = setup.teacher_config(cfg.teacher, model_cfg) if cfg.algorithm.needs.teacher_logp else None
+    rm_cfg = setup.reward_model_config(cfg.reward.model, model_cfg) if cfg.reward.model.enabled else None
+    judge = (setup.judge_spec(cfg.reward.model, setup.build_tokenizer(cfg.model))
+             if rm_cfg is not None and cfg.reward.model.kind == "judge" else None)
 
     def init(adapters):
         params = init_params(model_cfg, jax.random.key(0))
         teacher = None if teacher_cfg is None else FrozenModel(teacher_cfg, init_params(teacher_cfg, jax.random.key(1)))
+        reward_model = None
+        if rm_cfg is not None:
+            bias = cfg.reward.model.kind == "prm" and setup.has_head_bias(cfg.reward.model.checkpoint)
+            rm_params = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), head_shapes(*rm_cfg, bias))
+            rm = cfg.reward.model
+            reward_model = LearnedReward.create(FrozenModel(rm_cfg[0], rm_params), weight=rm.weight,
+                                                normalize=rm.normalize, kind=rm.kind, step_token=0,
+                                                step_aggregation=rm.step_aggregation, step_discount=rm.step_discount,
+                                                credit=rm.credit, judge=judge)
         return init_train_state(model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                                shaping=cfg.shaping, lora=lora, adapters=adapters, teacher=teacher)
+                                shaping=cfg.shaping, lora=lora, adapters=adapters, teacher=teacher,
+                                reward_model=reward_model)
     return jax.eval_shape(init, adapters)
 
 
@@ -245,8 +261,9 @@ class _Pieces:
             sampler_mesh=dict(self.sampler.mesh.shape) if self.sampler is not None else None,
             params_bytes=device_bytes(s.params), opt_state_bytes=device_bytes(s.opt_state),
             reference_bytes=device_bytes(s.ref_params), value_bytes=device_bytes(s.value_params),
-            other_bytes=device_bytes(s.step), adapter_bytes=device_bytes(s.adapters),
-            teacher_bytes=device_bytes(s.teacher),
+            other_bytes=device_bytes((s.step, None if s.reward_model is None else s.reward_model.moments)),
+            adapter_bytes=device_bytes(s.adapters), teacher_bytes=device_bytes(s.teacher),
+            reward_model_bytes=device_bytes(None if s.reward_model is None else s.reward_model.model),
             sampler_params_bytes=device_bytes(self.params) if self.sampler is not None or s.lora is not None else 0,
             sampler_merged=s.lora is not None and s.lora.merge_for_sampling)
 

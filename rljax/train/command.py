@@ -24,6 +24,13 @@ def register(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.set_defaults(func=_train)
 
+    p = sub.add_parser("train-rm", help="train a Bradley-Terry reward model on preference pairs (JSONL)",
+                       description="Train a reward model on JSONL pairs {prompt, chosen, rejected[, margin]} and write "
+                                   "it as a HF *ForSequenceClassification directory. Settings as key=value, e.g. "
+                                   "pairs=pairs.jsonl steps=1000 base=/path/to/causal-lm output_dir=rm_out.")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.set_defaults(func=_train_rm)
+
     p = sub.add_parser("eval", help="greedy accuracy, pass@k and mean@k of a run's checkpoint on held-out data")
     p.add_argument("run_dir", help="the run's output directory (holds checkpoints/ and its config)")
     p.add_argument("--step", default="best", help="checkpoint step, 'best' or 'latest' (default: best)")
@@ -60,6 +67,18 @@ def _train(args: argparse.Namespace) -> int:
     print(f"metrics:     {result.output_dir / 'metrics.jsonl'} (TensorBoard: {result.output_dir / 'tensorboard'})")
     if result.plot:
         print(f"plot:        {result.plot}")
+    return 0
+
+
+def _train_rm(args: argparse.Namespace) -> int:
+    from rljax.config_io import apply_overrides, build
+    from rljax.train.reward_model import RewardTrainConfig, train_reward_model
+
+    # model.* settings size a from-scratch model whose tokenizer defaults to the default job's
+    defaults = {"model": {"tokenizer": RewardTrainConfig().model.tokenizer}}
+    summary = train_reward_model(build(RewardTrainConfig, apply_overrides(defaults, args.overrides)))
+    print(f"held-out pair accuracy: {summary['before']['eval/pair_accuracy']:.3f} -> "
+          f"{summary['after']['eval/pair_accuracy']:.3f}")
     return 0
 
 

@@ -180,16 +180,61 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """A learned reward model (`[reward] model = {...}`; `rljax.rewards.learned`), sharing the
+    policy's tokenizer, scored inside the update. `kind`: "bt", a Bradley-Terry outcome reward
+    model (`checkpoint` a HF `*ForSequenceClassification` with one label, scored at each row's
+    last real token; `rljax train-rm` writes one), or "prm", a process reward model (a
+    `*ForTokenClassification` with 2 labels, read at the `step_separator` token that ends each
+    step: `credit = "token"` puts each step's score on its token for the dense estimators,
+    `"outcome"` aggregates a row's steps by `step_aggregation` min / last / discounted sum with
+    `step_discount`), or "judge", a generative judge (`checkpoint` a causal LM, e.g. the policy's
+    own base checkpoint): each row's prompt and completion fill `template` ({prompt}, then
+    {completion}), the judge greedily decodes `max_verdict_tokens`, and a decode that starts with
+    a key of `verdicts` scores its value, any other `default_score` (counted as
+    `reward_model/judge_unparsed`). `weight` is its weight against the verifier's total; an
+    outcome score is normalised by `normalize` (`none`, `group`, `running`)."""
+
+    checkpoint: str | None = None
+    kind: Literal["bt", "prm", "judge"] = "bt"
+    weight: float = bounded(1.0, ge=0)
+    normalize: Literal["none", "group", "running"] = "group"
+    step_separator: str = "\n"
+    step_aggregation: Literal["min", "last", "sum"] = "min"
+    step_discount: float = bounded(1.0, ge=0, le=1)
+    credit: Literal["outcome", "token"] = "outcome"
+    template: str = "Question: {prompt}\nAnswer: {completion}\nIs the answer correct? "
+    verdicts: dict = dataclasses.field(default_factory=lambda: {"Yes": 1.0, "No": 0.0})
+    default_score: float = bounded(0.0)  # any real score
+    max_verdict_tokens: int = bounded(4, ge=1)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        if self.checkpoint is not None and is_remote(self.checkpoint):
+            raise ConfigError(f"reward.model.checkpoint={self.checkpoint!r}: a model is read from a local directory; "
+                              f"copy it first ({copy_locally_hint(self.checkpoint)}) and point at the copy")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.checkpoint)
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardSection:
     """The reward: a correctness verifier plus an optional format term, scored on the host.
 
     kind: `reasoning_gym` (the task's own scorer), `math` (math-verify on the extracted answer),
     or `code` (sandboxed unit tests). `answer_methods` orders the extractors tried. Length terms
     (DAPO's overlong punishment, a length cost) are applied on device by the `[shaping]` section
-    (`rljax.objectives.shaping.RewardShaping`).
+    (`rljax.objectives.shaping.RewardShaping`). `correct_weight` weighs the correctness part in the
+    total (0 with a `model`: the learned reward replaces the verifier, which is still scored and
+    logged, e.g. as the reward model's `reward_model/pair_agreement` with it).
     """
 
     kind: Literal["reasoning_gym", "math", "code"] = "reasoning_gym"
+    correct_weight: float = bounded(1.0, ge=0)
+    model: RewardModelSection = RewardModelSection()
     answer_methods: tuple[str, ...] = ("answer_tag", "final_line")
     format_weight: float = bounded(0.0, ge=0)
     format_pattern: str = r"(?s)^<think>.*</think>\s*<answer>.*</answer>\s*$"
@@ -469,6 +514,7 @@ class TrainConfig:
             self._check_turn_credit()
         self._check_mode()
         self._check_teacher()
+        self._check_reward_model()
         if n % self.update.chunks:
             raise ConfigError(f"rl.prompts_per_iteration * sampling.num_samples = {n} must be divisible by "
                               f"update.num_minibatches * num_microbatches = {self.update.chunks}")
@@ -482,6 +528,17 @@ class TrainConfig:
         if self.algorithm.kl_in_reward or self.shaping.active:
             raise ConfigError("env.credit='turn' computes advantages from the env's turn rewards; it does not combine "
                               "with algorithm.kl_in_reward or [shaping]: drop them or set env.credit='episode'")
+
+    def _check_reward_model(self) -> None:
+        if not self.reward.model.enabled:
+            return
+        clash = [name for name, on in (("rl.dynamic_sampling", self.rl.dynamic_sampling),
+                                       ("rl.resample_round_size", self.rl.resample_round_size),
+                                       ("rl.replay", self.rl.replay.capacity),
+                                       ("[env]", self.env.enabled)) if on]
+        if clash:
+            raise ConfigError(f"reward.model is scored inside the update, after {clash[0]} has read the verifier's "
+                              f"rewards; drop {clash[0]} or reward.model")
 
     def _check_teacher(self) -> None:
         distills = self.algorithm.distill != "none"

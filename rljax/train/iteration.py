@@ -33,7 +33,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

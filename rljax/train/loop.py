@@ -103,6 +103,7 @@ class Run:
     log: Callable[[str], None]
     env: Any = None  # the `[env]` section's environment (multi-turn episodes), or None
     teacher: Any = None  # the frozen distillation teacher (`rljax.models.FrozenModel`), or None
+    reward_model: Any = None  # the learned reward (`rljax.rewards.learned.LearnedReward`), or None
     resumed_overlap: dict | None = None  # the overlapped driver's checkpointed state, when resuming
 
 
@@ -173,6 +174,8 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     lora, adapters = setup.build_lora(cfg.lora, model_cfg)
     teacher = (setup.build_teacher(cfg.teacher, model_cfg, tokenizer, k_init, trainer_layout)
                if cfg.algorithm.needs.teacher_logp else None)
+    reward_model = (setup.build_reward_model(cfg.reward.model, model_cfg, tokenizer, trainer_layout)
+                    if cfg.reward.model.enabled else None)
     fmt = setup.prompt_format(cfg.data)
     num_prompts = max(1, round(cfg.rl.prompts_per_iteration * cfg.rl.oversample)) if cfg.rl.dynamic_sampling \
         else cfg.rl.prompts_per_iteration
@@ -214,12 +217,16 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
         log(f"teacher {teacher.cfg.model_type} {teacher.num_params / 1e6:.2f}M params, frozen "
             f"({cfg.algorithm.distill}, distill_coef {cfg.algorithm.distill_coef:g}, "
             f"reward_weight {cfg.algorithm.reward_weight:g})")
+    if reward_model is not None:
+        log(f"reward model {reward_model.model.cfg.model_type} {reward_model.model.num_params / 1e6:.2f}M params, "
+            f"frozen (weight {reward_model.weight:g}, normalize {reward_model.normalize}; verifier correct_weight "
+            f"{cfg.reward.correct_weight:g})")
     writer = MetricsWriter(out, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
                            config=cfg.to_dict(), enabled=_is_main(), resume=resume)
     ckpt = Checkpointer(out / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                         best_metric=cfg.checkpoint.best_metric, processes=remote.checkpoint_processes(cfg))
     env = setup.build_env(cfg.env) if cfg.env.enabled else None
-    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env, teacher=teacher,
+    return Run(cfg=cfg, out=out, keys={"init": k_init, "warm": k_warm, "loop": k_loop}, env=env, teacher=teacher, reward_model=reward_model,
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
                model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
                reward_fn=reward_fn, data=data, sampler=sampler, replay=replay,
@@ -232,7 +239,7 @@ def new_train_state(run: Run, params) -> TrainState:
     cfg = run.cfg
     return init_train_state(run.model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
                             shaping=cfg.shaping, layout=run.trainer_layout, lora=run.lora, adapters=run.adapters,
-                            teacher=run.teacher)
+                            teacher=run.teacher, reward_model=run.reward_model)
 
 
 def abstract_train_state(run: Run) -> TrainState:
@@ -241,10 +248,10 @@ def abstract_train_state(run: Run) -> TrainState:
     cfg = run.cfg
     abstract_params, abstract_adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                                       (run.params, run.adapters))
-    state = jax.eval_shape(lambda p, a, t: init_train_state(run.model_cfg, p, cfg.algorithm, cfg.optim,
-                                                            update_cfg=cfg.update, shaping=cfg.shaping, lora=run.lora,
-                                                            adapters=a, teacher=t),
-                           abstract_params, abstract_adapters, run.teacher)
+    state = jax.eval_shape(lambda p, a, t, r: init_train_state(run.model_cfg, p, cfg.algorithm, cfg.optim,
+                                                               update_cfg=cfg.update, shaping=cfg.shaping, lora=run.lora,
+                                                               adapters=a, teacher=t, reward_model=r),
+                           abstract_params, abstract_adapters, run.teacher, run.reward_model)
     if run.trainer_layout is None:
         return state
     return abstract_like(state, run.trainer_layout.tree(state))
@@ -284,12 +291,15 @@ def restore(run: Run, data_iter) -> tuple[TrainState, int]:
     data_iter.set_state(restored.data_state)
     state_extra = dict(restored.extra)
     run.resumed_overlap = state_extra.pop("overlap", None)
+    moments = state_extra.pop("reward_moments", None)
+    reward_model = run.reward_model if moments is None else run.reward_model.replace(moments=moments)
     run.log(f"resumed from {run.ckpt.directory}/{restored.step}")
     if run.cfg.rl.mode == "async":
         run.log("async: the batches in flight at the checkpoint are dropped; the rollout queue restarts empty")
-    # The teacher is not checkpointed: the run holds it as loaded from teacher.checkpoint.
+    # Teacher and reward model are not checkpointed: the run holds them as loaded from their own
+    # checkpoints (the reward model's running moments are, above).
     return template.replace(params=restored.params, opt_state=restored.opt_state, adapters=restored.adapters,
-                            teacher=run.teacher, **state_extra), restored.step
+                            teacher=run.teacher, reward_model=reward_model, **state_extra), restored.step
 
 
 def evaluate(run: Run, state: TrainState) -> dict[str, float]:
@@ -541,6 +551,8 @@ def _eval_params(params, run: Run):
 
 
 def _extra(state: TrainState) -> dict[str, Any]:
-    """The train-state arrays besides params and optimiser state (step, critic, reference)."""
-    extra = {"step": state.step, "value_params": state.value_params, "ref_params": state.ref_params}
+    """The train-state arrays besides params and optimiser state (step, critic, reference, a learned
+    reward's running moments)."""
+    extra = {"step": state.step, "value_params": state.value_params, "ref_params": state.ref_params,
+             "reward_moments": None if state.reward_model is None else state.reward_model.moments}
     return {k: v for k, v in extra.items() if v is not None}

@@ -27,8 +27,12 @@ from rljax.sharding import Layout
 from rljax.tokenizers import Tokenizer
 from rljax.tokenizers import load as load_tokenizer
 from rljax.models.auxiliary import FrozenModel, check_vocabulary
-from rljax.train.config import (DataSection, EnvSection, MeshSection, ModelSection, RewardSection, SourceSection,
-                                TeacherSection, TrainConfig)
+from rljax.models.heads import read_head
+from rljax.models.hf_io import has_head_bias, head_shapes
+from rljax.rewards.judge import JudgeSpec, split_template
+from rljax.rewards.learned import LearnedReward
+from rljax.train.config import (DataSection, EnvSection, MeshSection, ModelSection, RewardModelSection,
+                                RewardSection, SourceSection, TeacherSection, TrainConfig)
 
 
 def build_tokenizer(section: ModelSection) -> Tokenizer:
@@ -97,19 +101,88 @@ def build_teacher(section: TeacherSection, policy: ModelConfig, tokenizer: Token
     with it must be the policy's tokenizer: one line otherwise (re-tokenisation is not supported)."""
     cfg = teacher_config(section, policy)
     path = resolve_checkpoint(section.checkpoint)
-    try:
-        own = load_tokenizer(path)
-    except RljaxError:  # no tokenizer files beside it: the vocabulary check above stands
-        own = None
-    if own is not None and not _same_tokenizer(own, tokenizer):
-        raise ConfigError(f"teacher.checkpoint={section.checkpoint!r} ships a tokenizer other than the policy's; "
-                          "distillation compares token ids, so the teacher must use the policy's tokenizer "
-                          "(re-tokenisation is not supported)")
+    _check_tokenizer(path, tokenizer, f"teacher.checkpoint={section.checkpoint!r}")
     shardings = layout.params(jax.eval_shape(lambda: init_params(cfg, key))) if layout is not None else None
     load = load_gguf if is_gguf(path) else load_hf
     cfg, params = load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
                        shardings=shardings)
     return FrozenModel(cfg, params)
+
+
+def reward_model_config(section: RewardModelSection, policy: ModelConfig) -> tuple[ModelConfig, int]:
+    """(config, num_labels) of the reward model without allocating: a Bradley-Terry model is a
+    sequence classifier with one label, a PRM a token classifier with two; its vocabulary is the
+    policy's."""
+    path = resolve_checkpoint(section.checkpoint)
+    if section.kind == "judge":  # a causal LM
+        read = read_gguf_config if is_gguf(path) else read_hf_config
+        cfg = read(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+        check_vocabulary(policy, cfg, "reward model")
+        return cfg, None
+    kind, labels = read_head(path)
+    want = {"bt": ("sequence", 1, "*ForSequenceClassification with num_labels=1 (rljax train-rm writes one)"),
+            "prm": ("token", 2, "*ForTokenClassification with num_labels=2 (TRL's PRMTrainer format)")}[section.kind]
+    if (kind, labels) != want[:2]:
+        raise ConfigError(f"reward.model.checkpoint={section.checkpoint!r} is a {kind}-classification model with "
+                          f"{labels} labels; reward.model.kind={section.kind!r} needs a {want[2]}")
+    cfg = read_hf_config(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+    check_vocabulary(policy, cfg, "reward model")
+    return cfg, labels
+
+
+def build_reward_model(section: RewardModelSection, policy: ModelConfig, tokenizer: Tokenizer,
+                       layout: Layout | None = None) -> LearnedReward:
+    """The learned reward, its model born in the trainer's `layout` like the policy; a tokenizer
+    shipped with it must be the policy's (one line otherwise)."""
+    cfg, labels = reward_model_config(section, policy)
+    path = resolve_checkpoint(section.checkpoint)
+    _check_tokenizer(path, tokenizer, f"reward.model.checkpoint={section.checkpoint!r}")
+    if section.kind == "judge":
+        load = load_gguf if is_gguf(path) else load_hf
+        shardings = layout.params(head_shapes(cfg, None)) if layout is not None else None
+        cfg, params = load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                           shardings=shardings)
+        return LearnedReward.create(FrozenModel(cfg, params), weight=section.weight, normalize=section.normalize,
+                                    kind="judge", judge=judge_spec(section, tokenizer))
+    step_token = None
+    if section.kind == "prm":
+        ids = tokenizer.encode(section.step_separator)
+        if len(ids) != 1:
+            raise ConfigError(f"reward.model.step_separator={section.step_separator!r} is {len(ids)} tokens in the "
+                              "policy's tokenizer; a step must end with one token: pick a separator that is one")
+        step_token = ids[0]
+    shardings = layout.params(head_shapes(cfg, labels, has_head_bias(path))) if layout is not None else None
+    cfg, params = load_hf(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                          shardings=shardings, num_labels=labels)
+    return LearnedReward.create(FrozenModel(cfg, params), weight=section.weight, normalize=section.normalize,
+                                kind=section.kind, step_token=step_token, step_aggregation=section.step_aggregation,
+                                step_discount=section.step_discount, credit=section.credit)
+
+
+def judge_spec(section: RewardModelSection, tokenizer: Tokenizer) -> JudgeSpec:
+    """The judge's template and verdicts as the policy tokenizer's ids (BOS first when it has one)."""
+    try:
+        prefix, middle, suffix = split_template(section.template)
+    except ValueError as err:
+        raise ConfigError(f"reward.model.template={section.template!r}: {err}") from None
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    verdicts = tuple((tuple(tokenizer.encode(text)), float(score)) for text, score in section.verdicts.items())
+    if not verdicts or any(not ids for ids, _ in verdicts):
+        raise ConfigError("reward.model.verdicts maps each verdict's text to its score, e.g. {Yes = 1.0, No = 0.0}")
+    return JudgeSpec(prefix=tuple(bos + tokenizer.encode(prefix)), middle=tuple(tokenizer.encode(middle)),
+                     suffix=tuple(tokenizer.encode(suffix)), verdicts=verdicts, default=float(section.default_score),
+                     max_tokens=section.max_verdict_tokens, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
+
+
+def _check_tokenizer(path, tokenizer: Tokenizer, what: str) -> None:
+    """An auxiliary model's own tokenizer (when it ships one) must be the policy's."""
+    try:
+        own = load_tokenizer(path)
+    except RljaxError:  # no tokenizer files beside it: the vocabulary check stands
+        return
+    if not _same_tokenizer(own, tokenizer):
+        raise ConfigError(f"{what} ships a tokenizer other than the policy's; it reads the policy's token ids, so it "
+                          "must use the policy's tokenizer (re-tokenisation is not supported)")
 
 
 def build_lora(section: LoraConfig, cfg: ModelConfig) -> tuple[LoraConfig | None, Any]:
@@ -274,7 +347,7 @@ def build_reward(section: RewardSection, sources: tuple[SourceSection, ...] = ()
                                           for s in sources})
     else:
         correct = _correct_verifier(section.kind, section)
-    terms: dict[str, Any] = {"correct": (1.0, correct)}
+    terms: dict[str, Any] = {"correct": (section.correct_weight, correct)}
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
     return rewards.compose(**terms)

@@ -27,6 +27,9 @@ from rljax.objectives.advantages import (scale_negative_advantages, takes_turn_r
                                          zero_variance_groups)
 from rljax.objectives.kl import kl
 from rljax.objectives.registry import ADVANTAGES, DISTILLATION, OFF_POLICY
+from rljax.rewards.judge import judge_rows, parse_verdicts
+from rljax.rewards.learned import pair_agreement
+from rljax.sampling import SampleControls, sample
 
 sg = jax.lax.stop_gradient
 
@@ -82,7 +85,9 @@ class PreparedBatch:
     `recompute_old_logp`); is_weight_bt: the off-policy weight (1 without a correction);
     advantages_bt: per-token advantages (0 off the mask); ref_logp_bt: the reference policy's
     log-probs (KL term); old_values_bt / returns_bt: the value model's targets (PPO);
-    teacher_hidden_btd: a distillation teacher's final hidden states (a full-vocabulary loss).
+    teacher_hidden_btd: a distillation teacher's final hidden states (a full-vocabulary loss);
+    reward_model_scores_b: a learned reward model's raw score of each row (its running moments
+    are updated from them).
     """
 
     tokens_bt: jax.Array
@@ -95,6 +100,7 @@ class PreparedBatch:
     old_values_bt: jax.Array | None = None
     returns_bt: jax.Array | None = None
     teacher_hidden_btd: jax.Array | None = None
+    reward_model_scores_b: jax.Array | None = None
 
 
 def state_values(cfg, value_params, tokens_bt, attn_mask_bt, *, remat: bool = False, unroll: bool = False):
@@ -158,10 +164,16 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     mask = batch.loss_mask_bt.astype(f32)
     lengths_b = jnp.sum(mask, axis=-1)
     trained_b = (lengths_b > 0).astype(f32)
-    rewards_b = state.shaping.apply(batch.rewards_b, lengths_b, batch.completion_len)
-
     chunks = schedule.chunks
     toks, attn = batch.tokens_bt, batch.attn_mask_bt
+    metrics: dict[str, jax.Array] = {}
+    rewards_in, rm_scores, rm_token_rewards = batch.rewards_b.astype(f32), None, None
+    if state.reward_model is not None:  # a learned reward, scored here: no host round trip
+        rm_scores, term_b, rm_token_rewards, rm_metrics = _learned_reward(state.reward_model, batch, mask, trained_b,
+                                                                          chunks)
+        metrics.update(rm_metrics)
+        rewards_in = rewards_in + term_b
+    rewards_b = state.shaping.apply(rewards_in, lengths_b, batch.completion_len)
 
     lp_chunks = schedule.chunk_for(toks.shape[0] // chunks, toks.shape[1], cfg.vocab_size)
 
@@ -172,7 +184,6 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     policy, critic = state.models()  # no LoRA dropout: these are the policy's own log-probs
     sampler_logp = batch.sampler_logp_bt.astype(f32)
     old_logp, is_w = sampler_logp, jnp.ones_like(mask)
-    metrics: dict[str, jax.Array] = {}
     if algo.recompute_old_logp:
         trainer_logp = score(policy)
         is_w, kept = OFF_POLICY.get(algo.off_policy)(trainer_logp, sampler_logp, mask, cap=algo.off_policy_cap,
@@ -181,11 +192,12 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
         metrics["train/is_weight_mean"] = jnp.sum(is_w * kept) / jnp.maximum(jnp.sum(kept), 1.0)
         metrics["train/is_dropped_frac"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(mask), 1.0)
         old_logp, mask = trainer_logp, kept
-    ref_logp = token_rewards = None
+    ref_logp, token_rewards = None, rm_token_rewards
     if needs.reference_logp:
         ref_logp = score(state.reference_params)
         if algo.kl_in_reward:
-            token_rewards = -algo.kl_coef * kl(old_logp, ref_logp, algo.kl_estimator, clamp=algo.kl_clamp) * mask
+            kl_rewards = -algo.kl_coef * kl(old_logp, ref_logp, algo.kl_estimator, clamp=algo.kl_clamp) * mask
+            token_rewards = kl_rewards if token_rewards is None else token_rewards + kl_rewards
     old_values = None
     if needs.values:
         old_values = batch.old_values_bt
@@ -229,8 +241,50 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     })
     prepared = PreparedBatch(tokens_bt=toks, attn_mask_bt=attn, loss_mask_bt=mask, old_logp_bt=old_logp,
                              is_weight_bt=is_w, advantages_bt=adv, ref_logp_bt=ref_logp,
-                             old_values_bt=old_values, returns_bt=returns, teacher_hidden_btd=teacher_hidden)
+                             old_values_bt=old_values, returns_bt=returns, teacher_hidden_btd=teacher_hidden,
+                             reward_model_scores_b=rm_scores)
     return prepared, metrics
+
+
+def _learned_reward(rm, batch: RolloutBatch, mask, trained_b, chunks: int):
+    """(raw outcome scores [B], the weighted, normalised outcome term [B] added to the rewards,
+    token-level rewards [B, T] or None, metrics) of a learned reward (`rljax.rewards.learned`): a
+    Bradley-Terry model's score, a generative judge's parsed verdict, or a PRM's step scores
+    aggregated into one per row (`credit = "outcome"`) or laid on the step tokens
+    (`credit = "token"`, the outcome term 0)."""
+    token_rewards, metrics = None, {}
+    if rm.kind == "judge":
+        scores_b, parsed_b = _judge(rm, batch)
+        metrics["reward_model/judge_unparsed"] = jnp.sum(~parsed_b & (trained_b > 0))
+    elif rm.kind == "prm":
+        raw = _chunked(rm.raw_scores, chunks, batch.tokens_bt, batch.attn_mask_bt)
+        steps_bt = rm.steps(batch.tokens_bt, mask)
+        scores_b = rm.aggregate_steps(raw, steps_bt)
+        metrics["reward_model/steps_mean"] = _masked_mean(jnp.sum(steps_bt, -1).astype(jnp.float32), trained_b)
+        if rm.credit == "token":
+            token_rewards = rm.token_rewards(raw, steps_bt) * mask
+    else:
+        scores_b = _chunked(rm.raw_scores, chunks, batch.tokens_bt, batch.attn_mask_bt)
+    term_b = rm.rewards(scores_b, batch.group_ids_b, trained_b) if token_rewards is None else jnp.zeros_like(scores_b)
+    metrics.update({"reward_model/score_mean": _masked_mean(scores_b, trained_b),
+                    "reward_model/reward_mean": _masked_mean(term_b, trained_b),
+                    "reward_model/pair_agreement": pair_agreement(scores_b, batch.rewards_b, batch.group_ids_b,
+                                                                  trained_b)})
+    return scores_b, term_b, token_rewards, metrics
+
+
+def _judge(rm, batch: RolloutBatch):
+    """A generative judge's (scores [B], parsed [B]): its template around each row's prompt and
+    completion, a greedy decode of `max_tokens` with the sampler, the verdict parsed."""
+    spec, c = rm.judge, batch.completion_len
+    p = batch.tokens_bt.shape[1] - c
+    toks, attn = batch.tokens_bt, batch.attn_mask_bt
+    rows, rows_mask = judge_rows(toks[:, :p], attn[:, :p], toks[:, p:], attn[:, p:], prefix=spec.prefix,
+                                 middle=spec.middle, suffix=spec.suffix, pad_id=spec.pad_id, drop_ids=spec.eos_ids)
+    controls = SampleControls(max_new_tokens=spec.max_tokens, num_samples=1, greedy=True, eos_ids=spec.eos_ids,
+                              pad_id=spec.pad_id)
+    out = sample(rm.model.cfg, rm.model.params, rows, rows_mask, jax.random.key(0), controls)
+    return parse_verdicts(out.tokens, out.mask, spec.verdicts, spec.default)
 
 
 def _teacher_grades(state, toks, attn, student_logp, mask, chunks: int):

@@ -29,6 +29,7 @@ from rljax.errors import ConfigError
 from rljax.lora import LoraConfig, attach, attach_value, init_adapters, init_value_adapters, merge
 from rljax.models import ModelConfig, init_value_params
 from rljax.models.auxiliary import FrozenModel, check_vocabulary
+from rljax.rewards.learned import LearnedReward
 from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig, make_optimizer, make_schedule
@@ -52,7 +53,9 @@ class TrainState:
 
     `teacher` is a frozen distillation teacher (`rljax.models.FrozenModel`, any architecture with
     the policy's vocabulary) when the objective distils (`algorithm.distill`): scored inside the
-    update, never trained, and returned as it came."""
+    update, never trained, and returned as it came. `reward_model` is a learned reward
+    (`rljax.rewards.learned.LearnedReward`): a frozen reward model scored inside the update, whose
+    weighted score joins the verifier's rewards; only its running moments change."""
 
     model_cfg: ModelConfig = flax.struct.field(pytree_node=False)
     algo: AlgorithmConfig = flax.struct.field(pytree_node=False)
@@ -67,6 +70,7 @@ class TrainState:
     adapters: Params | None = None
     lora: LoraConfig | None = flax.struct.field(pytree_node=False, default=None)
     teacher: FrozenModel | None = None
+    reward_model: LearnedReward | None = None
 
     @property
     def trainable(self) -> tuple[Params, Params | None]:
@@ -107,7 +111,8 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
                      update_cfg: UpdateConfig = UpdateConfig(), shaping: RewardShaping = RewardShaping(),
                      value_params: Params | None = None, key: jax.Array | None = None,
                      layout: Layout | None = None, lora: LoraConfig | None = None,
-                     adapters: Params | None = None, teacher: FrozenModel | None = None) -> TrainState:
+                     adapters: Params | None = None, teacher: FrozenModel | None = None,
+                     reward_model: LearnedReward | None = None) -> TrainState:
     """A fresh train state. The reference policy is a frozen copy of `params` when the objective
     needs reference log-probs (a KL term); a value model is built on the policy backbone when it
     needs values (`value_coef > 0`).
@@ -130,8 +135,10 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
                           "loads it from teacher.checkpoint)")
     if teacher is not None:
         check_vocabulary(model_cfg, teacher.cfg, "teacher")
+    if reward_model is not None:
+        check_vocabulary(model_cfg, reward_model.model.cfg, "reward model")
     configs = dict(model_cfg=model_cfg, algo=algo, optim=optim, update_cfg=update_cfg, shaping=shaping, lora=lora,
-                   teacher=teacher if algo.needs.teacher_logp else None)
+                   teacher=teacher if algo.needs.teacher_logp else None, reward_model=reward_model)
     if layout is None:
         return TrainState(**configs, params=params,
                           **_fresh_parts(model_cfg, algo, optim, lora, params, value_params, adapters, key))
@@ -301,8 +308,12 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
     metrics["rollout/ratio_first_max"] = ext["ratio/max"][0, 0]
     metrics["lr"] = make_schedule(state.optim)(state.step)
     metrics["num_updates"] = jnp.asarray(sched.num_epochs * n_mb, jnp.int32)
+    reward_model = state.reward_model
+    if reward_model is not None:  # the batch joins the learned reward's running moments
+        reward_model = reward_model.observe(prepared.reward_model_scores_b, jnp.sum(prepared.loss_mask_bt, -1) > 0)
     new_state = state.replace(step=state.step + sched.num_epochs * n_mb, value_params=value_params,
-                              opt_state=opt_state, **{"params" if state.adapters is None else "adapters": trained})
+                              opt_state=opt_state, reward_model=reward_model,
+                              **{"params" if state.adapters is None else "adapters": trained})
     return new_state, metrics
 
 
