@@ -10,7 +10,7 @@ import pytest
 
 from rljax.errors import ConfigError
 from rljax.lora import LoraConfig
-from rljax.models import init_params, preset, token_logprobs
+from rljax.models import FrozenModel, init_params, preset, token_logprobs
 from rljax.objectives import PRESETS, AlgorithmConfig, prompt_major_group_ids
 from rljax.optim import OptimConfig
 from rljax.sharding import MeshConfig, make_mesh, trainer_layout
@@ -49,8 +49,10 @@ def _batch(seed, b=8, t=12, prompt=5):
 
 def _state(layout=None, algo=PPO_KL, optim=LINEAR_ADAM, lora=LORA):
     params = init_params(CFG, jax.random.key(0))
+    # a distilling preset (opd, gkd) grades with a frozen teacher: one of the student's shape here
+    teacher = FrozenModel(CFG, init_params(CFG, jax.random.key(2))) if algo.needs.teacher_logp else None
     return init_train_state(CFG, params, algo, optim, update_cfg=SCHEDULE, key=jax.random.key(1), layout=layout,
-                            lora=lora)
+                            lora=lora, teacher=teacher)
 
 
 def _run(state):
@@ -135,6 +137,8 @@ def test_every_objective_traces_with_adapters_only(name):
     new, metrics = jax.eval_shape(update, state, batch, jax.random.key(0))
     assert jax.tree.structure(new.adapters) == jax.tree.structure(state.adapters)
     assert new.ref_params is None and "loss/policy" in metrics
+    if algo.needs.teacher_logp:  # the teacher passes through untouched, as abstract as it came
+        assert jax.tree.structure(new.teacher) == jax.tree.structure(state.teacher)
     if algo.needs.values:
         assert set(new.value_params) == {"adapters", "value_head", "value_bias"}
         assert new.value_params["value_head"].shape == (CFG.hidden_size,)

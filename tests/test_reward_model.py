@@ -494,3 +494,18 @@ def test_a_generative_judge_scores_inside_the_update(tmp_path):
     assert int(metrics["reward_model/judge_unparsed"]) == int(np.sum(want == -0.5))
     np.testing.assert_allclose(float(metrics["reward_model/score_mean"]), want.mean(), rtol=1e-6)
     np.testing.assert_allclose(float(metrics["train/reward_mean"]), want.mean(), rtol=1e-6)
+
+
+def test_running_moments_survive_a_resume(tmp_path):
+    """A run with a running-normalised reward model, stopped after 2 iterations and resumed to 3:
+    the moments count all three batches (they are checkpointed; the model is reloaded)."""
+    from rljax.train.config import load_config
+    from rljax.train.loop import train
+
+    rm = _reward_model_dir(tmp_path)
+    common = TINY_RUN + [f"reward.model={{checkpoint = '{rm}', normalize = 'running'}}", "checkpoint.every=1",
+                         f"output_dir='{tmp_path / 'run'}'"]
+    train(load_config(None, common + ["rl.iterations=2"]), log=lambda *_: None)
+    result = train(load_config(None, common + ["rl.iterations=3"]), resume=True, log=lambda *_: None)
+    assert float(result.state.reward_model.moments.count) == 3 * 8 * 4
+    assert len([r for r in result.history if "reward_model/score_mean" in r]) == 3

@@ -209,4 +209,6 @@ def mix_into_batch(batch, buffer: ReplayBuffer, *, prompt_ids_g: Sequence[Any], 
         replayed_b[b] = True
     buffer.counters["mixed"] += int(replayed_b.sum())
     metrics = {"replay/rows_mixed": float(replayed_b.sum()), "replay/groups_all_failed": float(failed_g.sum())}
+    if getattr(batch, "verifier_rewards_b", None) is not None:  # stale on replayed rows: dropped (rewards_b serves)
+        fields["verifier_rewards_b"] = None
     return MixResult(dataclasses.replace(batch, **fields), replayed_b, metrics)

@@ -103,7 +103,8 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
         loss_mask_bt=jnp.concatenate([zeros.astype(bool), completion_mask], axis=1),
         sampler_logp_bt=jnp.concatenate([zeros, take(out.logprobs)], axis=1),
         rewards_b=take(rewards.total_b), group_ids_b=jnp.repeat(jnp.arange(num_groups), n),
-        completion_len=controls.max_new_tokens, baseline_rewards_b=baseline)
+        completion_len=controls.max_new_tokens, baseline_rewards_b=baseline,
+        verifier_rewards_b=take(rewards.parts["correct"]) if "correct" in rewards.parts else None)
     lengths = out.lengths.astype(jnp.float32)
     metrics.update({
         "rollout/reward_mean": jnp.mean(rewards.total_b),

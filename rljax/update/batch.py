@@ -62,6 +62,8 @@ class RolloutBatch:
     `prepare_batch` when absent). turn_returns: turn-level credit (`TurnReturns`), from a
     multi-turn rollout with `env.credit = "turn"`, for an estimator that takes it
     (`rljax.objectives.advantages.takes_turn_returns`); None: one reward per row.
+    verifier_rewards_b: the verifier's unweighted correctness part (the composer's `correct`),
+    which a learned reward's agreement metric compares with (None: `rewards_b` serves).
     """
 
     tokens_bt: jax.Array
@@ -74,6 +76,7 @@ class RolloutBatch:
     baseline_rewards_b: jax.Array | None = None
     old_values_bt: jax.Array | None = None
     turn_returns: TurnReturns | None = None
+    verifier_rewards_b: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -268,8 +271,9 @@ def _learned_reward(rm, batch: RolloutBatch, mask, trained_b, chunks: int):
     term_b = rm.rewards(scores_b, batch.group_ids_b, trained_b) if token_rewards is None else jnp.zeros_like(scores_b)
     metrics.update({"reward_model/score_mean": _masked_mean(scores_b, trained_b),
                     "reward_model/reward_mean": _masked_mean(term_b, trained_b),
-                    "reward_model/pair_agreement": pair_agreement(scores_b, batch.rewards_b, batch.group_ids_b,
-                                                                  trained_b)})
+                    "reward_model/pair_agreement": pair_agreement(
+                        scores_b, batch.rewards_b if batch.verifier_rewards_b is None else batch.verifier_rewards_b,
+                        batch.group_ids_b, trained_b)})
     return scores_b, term_b, token_rewards, metrics
 
 
