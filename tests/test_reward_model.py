@@ -13,6 +13,7 @@ from rljax.models import load_hf, save_hf
 from rljax.models.heads import read_head, sequence_scores, token_scores
 
 from hf_factory import FAMILIES
+from test_distill import TINY_RUN as DISTILL_TINY_RUN
 
 TOL = 1e-4
 PAD = 0
@@ -174,13 +175,7 @@ def test_pairwise_loss_equals_numpy_on_a_fixed_batch():
     assert np.ptp(diff) > 0.1
 
 
-TINY_RUN = [
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
-    "model.num_kv_heads=1", "model.head_dim=32", "data.size=300", "data.eval_size=20", "eval.size=20",
-    "warm_start.steps=0", "rl.prompts_per_iteration=8", "sampling.num_samples=4", "rl.iterations=2",
-    "eval.every=100", "checkpoint.every=100", "metrics.tensorboard=false", "metrics.progress_bar=false",
-    "mesh.devices=1", "algorithm.kl_coef=0",
-]
+TINY_RUN = DISTILL_TINY_RUN + ["algorithm.kl_coef=0"]  # tests/test_distill.py's tiny run, no KL reference
 RM_WIDTH = 48  # the reward model's width, unlike the policy's: its head is f32[48,1] in the program
 
 

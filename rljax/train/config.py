@@ -24,6 +24,13 @@ from rljax.update import UpdateConfig
 from rljax.sampling.controls import SampleControls
 
 
+def check_local(key: str, value: str | None) -> None:
+    """A model is read from a local path: a bucket URI is one line naming the copy to make."""
+    if value is not None and is_remote(value):
+        raise ConfigError(f"{key}={value!r}: a model is read from a local directory; copy it first "
+                          f"({copy_locally_hint(value)}) and set {key} to the copy")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Where the policy comes from: a HF checkpoint directory, or a from-scratch architecture.
@@ -53,10 +60,7 @@ class ModelSection:
             raise ConfigError("model: set model.checkpoint (a HF directory) or model.tokenizer "
                               "(e.g. 'chars:0123456789+-= ') for a from-scratch model")
         for name in ("checkpoint", "tokenizer"):
-            value = getattr(self, name)
-            if value is not None and is_remote(value):
-                raise ConfigError(f"model.{name}={value!r}: a model is read from a local directory; copy it "
-                                  f"first ({copy_locally_hint(value)}) and set model.{name} to the copy")
+            check_local(f"model.{name}", getattr(self, name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +76,7 @@ class TeacherSection:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self):
-        if self.checkpoint is not None and is_remote(self.checkpoint):
-            raise ConfigError(f"teacher.checkpoint={self.checkpoint!r}: a model is read from a local directory; copy "
-                              f"it first ({copy_locally_hint(self.checkpoint)}) and set teacher.checkpoint to the copy")
+        check_local("teacher.checkpoint", self.checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +213,7 @@ class RewardModelSection:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self):
-        if self.checkpoint is not None and is_remote(self.checkpoint):
-            raise ConfigError(f"reward.model.checkpoint={self.checkpoint!r}: a model is read from a local directory; "
-                              f"copy it first ({copy_locally_hint(self.checkpoint)}) and point at the copy")
+        check_local("reward.model.checkpoint", self.checkpoint)
 
     @property
     def enabled(self) -> bool:
