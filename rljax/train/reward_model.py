@@ -132,10 +132,6 @@ def init_reward_params(cfg, backbone: dict | None, key) -> dict:
     return params
 
 
-def _scores(cfg, params, batch_tokens, batch_mask):
-    return sequence_scores(cfg, params, batch_tokens, batch_mask)[:, 0]
-
-
 def train_reward_model(cfg: RewardTrainConfig, *, log=print) -> dict[str, Any]:
     """Trains, evaluates and exports the reward model; returns the summary written to
     `output_dir/summary.json` (held-out pair accuracy before and after, loss curve)."""
@@ -166,7 +162,7 @@ def train_reward_model(cfg: RewardTrainConfig, *, log=print) -> dict[str, Any]:
     opt_state = tx.init(params)
 
     def loss_fn(p, tokens, mask, margins):
-        r = _scores(model_cfg, p, tokens, mask)
+        r = sequence_scores(model_cfg, p, tokens, mask)[:, 0]
         n = margins.shape[0]
         return pairwise_loss(r[:n], r[n:], margins)
 
@@ -187,7 +183,8 @@ def train_reward_model(cfg: RewardTrainConfig, *, log=print) -> dict[str, Any]:
     rng = np.random.default_rng(cfg.seed)
     n = len(train_set.margins)
     batch = min(cfg.batch_size, n)
-    history = [{"step": 0, "eval/loss": held_out(params)[0], "eval/pair_accuracy": held_out(params)[1]}]
+    loss0, acc0 = held_out(params)  # evaluated once, before training
+    history = [{"step": 0, "eval/loss": loss0, "eval/pair_accuracy": acc0}]
     log(f"reward model {model_cfg.model_type}: {len(train_rows)} training pairs, {len(held)} held out | "
         f"held-out pair accuracy before training {history[0]['eval/pair_accuracy']:.3f}")
     t0, order = time.perf_counter(), rng.permutation(n)
