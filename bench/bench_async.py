@@ -1,8 +1,8 @@
 """Trained tokens per second of `rl.mode` sync, one_step_off and async (eta = 1, 2, 4), issue #20.
 
-Each case is a child process running the RL loop's own pieces (`rljax.train.loop.build_run`,
-`new_train_state`, `compile_iteration`, then `driver.step` or the sync iteration, as `train` calls
-them; no warm start, evaluation or checkpoints) on the same config and seed, for `--iterations`
+Each case is a child process running the RL loop's own pieces (`rljax.train.run.build_run`,
+`new_train_state`, the mode's driver from `rljax.drivers.DRIVERS`, then `driver.step`, as `train`
+calls them; no warm start, evaluation or checkpoints) on the same config and seed, for `--iterations`
 iterations. The first `--skip` (compile, and async's queue filling) are left out: throughput =
 tokens in the rows the loss saw (`train/rows x train/length_mean`, so dropped rows do not count)
 over the wall seconds from the end of iteration `skip` to the end of the last one. The cases run
@@ -16,7 +16,7 @@ the first:
 - `sync_split`: `mesh.sampler_devices=1`, `rl.mode=sync`: the sampling program on device 1, the
   update on device 0, one after the other (plus the weight copy between them).
 - `one_step_off`, `async_eta{1,2,4}`: the same two meshes, the programs overlapped
-  (`rljax.train.overlap`; async with `rl.stale_rows=wait`, `rl.queue_batches=2`).
+  (`rljax.drivers.overlap`; async with `rl.stale_rows=wait`, `rl.queue_batches=2`).
 
 Models: (a) the default job's (rljax/configs/default.toml: 64 prompts x 8 samples, 6 new
 tokens); (b) a qwen2-small-sized policy (hidden 512, 8 layers, 8/4 heads, MLP 1376, as
@@ -84,33 +84,28 @@ def run_case(overrides: list[str], iterations: int, skip: int) -> dict:
     import jax
     import numpy as np
 
+    from rljax.drivers import DRIVERS
     from rljax.train import loop
+    from rljax.train.run import abstract_train_state, build_run, new_train_state
     from rljax.train.config import load_config
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"output_dir={out}", f"rl.iterations={iterations}", *overrides])
-        run = loop.build_run(cfg, resume=False, log=lambda s: None)
-        state = loop.new_train_state(run, run.params)
-        data_iter = iter(run.data.dataset)
-        iteration, callback = loop.compile_iteration(run, state, data_iter)
-        driver = iteration if cfg.rl.mode != "sync" else None
+        run = build_run(cfg, resume=False, log=lambda s: None)
+        state = new_train_state(run, run.params)
+        driver = DRIVERS[cfg.driver].build(run, abstract_train_state(run))
         rows, ends = [], []
         try:
             for it in range(iterations):
                 t0 = time.perf_counter()
-                if driver is not None:
-                    state, metrics, _ = driver.step(state, it)
-                else:
-                    prompts = loop._prompt_arrays(run, next(data_iter))
-                    state, metrics, _ = iteration(state, *prompts, jax.random.fold_in(run.keys["loop"], it))
+                state, metrics, _ = driver.step(state, it)
                 metrics = jax.block_until_ready(metrics)
-                m = loop.step_metrics(metrics, time.perf_counter() - t0, callback.take_seconds(), fused=False)
+                m = loop.step_metrics(metrics, driver.timings(time.perf_counter() - t0))
                 ends.append(time.perf_counter())
                 m["trained_tokens"] = m["train/rows"] * m["train/length_mean"]
                 rows.append(m)
         finally:
-            if driver is not None:
-                driver.close()
+            driver.close()
     timed = rows[skip:]
     wall = ends[-1] - ends[skip - 1]
     tokens = sum(r["trained_tokens"] for r in timed)

@@ -4,7 +4,7 @@ The loop runs rollout -> update as one compiled program; to split it, this scrip
 stage compiled on its own (`sample`, the verifier callback's host time, `update_step` on the
 `RolloutBatch`) on the same batch. It counts XLA compilations (jax.monitoring) over several
 iterations to show that a run compiles once, and records the sampler/trainer log-prob gap the
-update reports (`rollout/logp_diff_mean|max`). Writes bench/results/iteration.json.
+update reports (`update/logp_diff_mean|max`). Writes bench/results/iteration.json.
 
     .venv/bin/python bench/bench_iteration.py [--iterations 8]
 """
@@ -23,13 +23,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rljax.rewards.config import build_reward
+from rljax.models.setup import build_policy, build_tokenizer
 from rljax.data.example import verifier_metadata  # noqa: E402
 from rljax.data.pipeline import prompt_batches  # noqa: E402
 from rljax.rewards import as_callback  # noqa: E402
 from rljax.sampling import sample  # noqa: E402
 from rljax.train import setup  # noqa: E402
 from rljax.train.config import load_config  # noqa: E402
-from rljax.train.iteration import make_iteration  # noqa: E402
+from rljax.stages.iteration import make_iteration  # noqa: E402
 from rljax.train.loop import sample_controls  # noqa: E402
 from rljax.update import RolloutBatch, init_train_state, update_step  # noqa: E402
 
@@ -51,12 +53,12 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(None, ["data.size=3000"])
-    tok = setup.build_tokenizer(cfg.model)
-    model_cfg, params = setup.build_policy(cfg.model, tok, jax.random.key(0))
+    tok = build_tokenizer(cfg.model)
+    model_cfg, params = build_policy(cfg.model, tok, jax.random.key(0))
     train_set, _, _ = setup.build_splits(cfg.data)
     data = prompt_batches(train_set, tokenizer=tok, batch_size=cfg.rl.prompts_per_iteration, seed=0,
                           max_prompt_len=cfg.data.max_prompt_tokens, fmt=setup.prompt_format(cfg.data), add_bos=True)
-    callback = as_callback(setup.build_reward(cfg.reward), tok, [verifier_metadata(e) for e in data.examples])
+    callback = as_callback(build_reward(cfg.reward), tok, [verifier_metadata(e) for e in data.examples])
     controls = sample_controls(cfg, tok)
     state = init_train_state(model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
                              shaping=cfg.shaping)
@@ -73,7 +75,7 @@ def main() -> None:
         if i == 0:
             compiles_first = len(_COMPILES)
     compiles_total = len(_COMPILES)
-    gap = {k: float(metrics[f"rollout/logp_diff_{k}"]) for k in ("mean", "max")}  # last iteration's
+    gap = {k: float(metrics[f"update/logp_diff_{k}"]) for k in ("mean", "max")}  # last iteration's
 
     # The same stages compiled separately, on one batch.
     b = next(it)

@@ -41,6 +41,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from peak import matmul_peak_gflops  # noqa: E402  (bench/ is on sys.path when run as a script)
+from rljax.rewards.config import build_reward
+from rljax.models.setup import build_tokenizer
 from rljax.data.example import verifier_metadata  # noqa: E402
 from rljax.data.pipeline import prompt_batches  # noqa: E402
 from rljax.models import from_hf_dict, init_params  # noqa: E402
@@ -159,7 +161,7 @@ def main() -> None:
         "data.max_prompt_tokens=128", f"rl.prompts_per_iteration={args.prompts}",
         f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.new_tokens}",
         "update.packing=false", f"update.num_microbatches={micro}", "update.num_minibatches=1", f"output_dir='{tmp}'"])
-    tok = setup.build_tokenizer(cfg.model)
+    tok = build_tokenizer(cfg.model)
     model_cfg = from_hf_dict({**QWEN25_05B, "num_hidden_layers": args.layers}, param_dtype=cfg.model.param_dtype,
                              compute_dtype=cfg.model.compute_dtype, eos_token_id=tok.eos_ids,
                              pad_token_id=tok.pad_id)
@@ -178,7 +180,7 @@ def main() -> None:
     data = prompt_batches(train_set, tokenizer=tok, batch_size=args.prompts, seed=0,
                           max_prompt_len=cfg.data.max_prompt_tokens, fmt=setup.prompt_format(cfg.data),
                           add_bos=cfg.data.add_bos)
-    callback = as_callback(setup.build_reward(cfg.reward), tok, [verifier_metadata(e) for e in data.examples])
+    callback = as_callback(build_reward(cfg.reward), tok, [verifier_metadata(e) for e in data.examples])
     controls = sample_controls(cfg, tok)
     b = next(iter(data.dataset))
     prompt_lengths = b.mask_bt.sum(1)

@@ -281,7 +281,7 @@ def bench_longtail(name: str, args) -> dict:
     inputs = {"rljax_static_8x64": head}
     if name in args.static_one_call:
         systems["rljax_static_one_call"] = longtail.rljax_system(cfg, params, workload, scheduler="static")
-    variants = {}  # continuous system -> its Layout (slots, refill, drain), for the replay
+    variants = {}  # continuous system -> its SlotLayout (slots, refill, drain), for the replay
     for slots, prefill_batch in [(s, 0) for s in args.slots] + [(64, p) for p in args.prefill_batches if p]:
         system = f"rljax_continuous_s{slots}_p{prefill_batch}"
         systems[system] = longtail.rljax_system(cfg, params, workload, scheduler="continuous", slots=slots,

@@ -106,8 +106,8 @@ def build_table() -> str:
         gap = it.get("sampler_trainer_logp_gap_nats")
         if gap:  # recorded by runs since the typed rollout -> update contract
             mean, top = gap.get("mean", gap.get("abs_mean")), gap.get("max", gap.get("abs_max"))  # older runs
-            lines += [f"Sampler/trainer log-prob gap the update reports (`rollout/logp_diff_mean` / "
-                      f"`rollout/logp_diff_max`, last iteration): {mean:.1e} / {top:.1e} nats.", ""]
+            lines += [f"Sampler/trainer log-prob gap the update reports (`update/logp_diff_mean` / "
+                      f"`update/logp_diff_max`, last iteration): {mean:.1e} / {top:.1e} nats.", ""]
     sc = _load("scaling")
     if sc:
         lines += ["## Scaling on simulated CPU devices (they share the host's cores: overhead, not speed-up)", "",

@@ -75,8 +75,8 @@ def _rollout_batch(cfg, params, noise: float, seed: int = 0) -> RolloutBatch:
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_logged_mismatch_equals_independent_recomputation(recompute):
-    """`rollout/logp_diff_mean|max` equal NumPy's mean and max of |token_logprobs(pre-update params)
-    - sampler_logp| over the loss mask, recompute on and off; `rollout/ratio_first_min|max` are
+    """`update/logp_diff_mean|max` equal NumPy's mean and max of |token_logprobs(pre-update params)
+    - sampler_logp| over the loss mask, recompute on and off; `update/ratio_first_min|max` are
     exp of that difference's min and max when the loss starts from the sampler's log-probs, and 1
     (to f32 rounding) when it starts from the trainer's own.
 
@@ -95,12 +95,12 @@ def test_logged_mismatch_equals_independent_recomputation(recompute):
     state = init_train_state(cfg, params, algo, OptimConfig(learning_rate=1e-2),
                              update_cfg=UpdateConfig(num_epochs=2, num_microbatches=2))
     _, m = update_step(state, batch, jax.random.key(0))
-    np.testing.assert_allclose(float(m["rollout/logp_diff_mean"]), np.abs(diff).mean(), rtol=1e-5)
-    np.testing.assert_allclose(float(m["rollout/logp_diff_max"]), np.abs(diff).max(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["update/logp_diff_mean"]), np.abs(diff).mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["update/logp_diff_max"]), np.abs(diff).max(), rtol=1e-5)
     assert float(m["logp_diff/abs_max"]) > np.abs(diff).max() + 1e-3  # the whole update moved further
     if recompute:
-        assert abs(float(m["rollout/ratio_first_min"]) - 1) < 1e-5
-        assert abs(float(m["rollout/ratio_first_max"]) - 1) < 1e-5
+        assert abs(float(m["update/ratio_first_min"]) - 1) < 1e-5
+        assert abs(float(m["update/ratio_first_max"]) - 1) < 1e-5
     else:
-        np.testing.assert_allclose(float(m["rollout/ratio_first_min"]), np.exp(diff.min()), rtol=1e-5)
-        np.testing.assert_allclose(float(m["rollout/ratio_first_max"]), np.exp(diff.max()), rtol=1e-5)
+        np.testing.assert_allclose(float(m["update/ratio_first_min"]), np.exp(diff.min()), rtol=1e-5)
+        np.testing.assert_allclose(float(m["update/ratio_first_max"]), np.exp(diff.max()), rtol=1e-5)

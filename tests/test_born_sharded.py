@@ -17,7 +17,11 @@ from rljax.models import ModelConfig, init_params, load_hf, save_hf
 from rljax.models import hf_io
 from rljax.objectives.config import AlgorithmConfig
 from rljax.optim import OptimConfig
+from rljax.checkpoint.train_state import restore_run
+from rljax.drivers import DRIVERS
 from rljax.train import loop
+from rljax.train import run as run_mod
+from rljax.train import start as start_mod
 from rljax.train.config import load_config
 from rljax.update import init_train_state
 from test_train import TINY
@@ -238,10 +242,12 @@ def test_rljax_train_state_is_born_sharded_and_restores_in_place(tmp_path, monke
     (state built on device 0, then `device_put`), and a restore template that allocates a fresh
     state (it must be ShapeDtypeStructs)."""
     cfg = load_config(None, _RUN + [f"output_dir='{tmp_path}'"])
-    monkeypatch.setattr(loop, "greedy_accuracy", lambda evaluator, params: 0.0)
+    monkeypatch.setattr(start_mod, "greedy_accuracy", lambda evaluator, params: 0.0)
     transfers = _Transfers(monkeypatch)
-    run = loop.build_run(cfg, resume=False, log=lambda *_: None)
-    state, start, _, data_iter = loop.initial_state(run, resume=False)
+    run = run_mod.build_run(cfg, resume=False, log=lambda *_: None)
+    template = run_mod.abstract_train_state(run)
+    driver = DRIVERS[cfg.driver].build(run, template)
+    state, start, _ = start_mod.initial_state(run, driver, template, resume=False)
     assert start == 0 and dict(run.trainer_layout.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     _assert_born(state, run.trainer_layout.tree(state))
     whole = [shape for _, shape in transfers.puts if np.prod(shape) >= state.params["embed"].size // 8]
@@ -252,11 +258,10 @@ def test_rljax_train_state_is_born_sharded_and_restores_in_place(tmp_path, monke
     (adam,) = [x for x in jax.tree.leaves(state.opt_state, is_leaf=is_adam) if is_adam(x)]
     _assert_equal((adam.mu, adam.nu), jax.tree.map(np.zeros_like, (adam.mu, adam.nu)))
 
-    template = loop.abstract_train_state(run)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template))
-    loop.save(run, state, 1, data_iter, 0.0)
+    loop.save(run, state, 1, driver, 0.0)
     run.ckpt.wait()
-    restored, step = loop.restore(run, iter(run.data.dataset))
+    restored, step, _ = restore_run(run.ckpt, template, {}, model_config=run.model_cfg)
     run.ckpt.close()
     assert step == 1
     _assert_born(restored, run.trainer_layout.tree(state))

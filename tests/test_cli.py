@@ -19,6 +19,8 @@ import pytest
 import torch
 import transformers
 
+from rljax.rewards.config import build_reward
+from rljax.models.setup import build_tokenizer
 from rljax.checkpoint import Checkpointer, load_params, open_run
 from rljax.cli import main
 from rljax.data.templates import render_prompt
@@ -28,7 +30,7 @@ from rljax.sampling import SampleControls, generate
 from rljax.tokenizers import load as load_tokenizer
 from rljax.train import setup
 from rljax.train.config import load_config
-from rljax.train.loop import sample_controls
+from rljax.train.run import sample_controls
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,11 +79,11 @@ def test_eval_reports_the_accuracy_of_the_named_checkpoint(run, capsys):
     assert report["greedy_accuracy"] > 0
     assert report["greedy_accuracy"] == result.final_accuracy
 
-    tokenizer = setup.build_tokenizer(cfg.model)
+    tokenizer = build_tokenizer(cfg.model)
     _, held_out, _ = setup.build_splits(cfg.data)
     model_cfg, params = load_params(result.output_dir / "checkpoints", 1)
     evaluator = EvalSetup.build(model_cfg, held_out[:cfg.eval.size], tokenizer, setup.prompt_format(cfg.data),
-                                setup.build_reward(cfg.reward), sample_controls(cfg, tokenizer),
+                                build_reward(cfg.reward), sample_controls(cfg, tokenizer),
                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
     assert report["greedy_accuracy"] == greedy_accuracy(evaluator, params)
     assert {"pass@1", "mean@2"} <= set(report) and "pass@2" not in report
@@ -205,7 +207,7 @@ def test_round_trip_export_then_sample_from_the_export_and_from_the_run(run, tmp
         p.name for p in (tmp_path / "hf").iterdir()}
 
     prompt = _held_out_prompt(cfg)
-    run_tok = setup.build_tokenizer(cfg.model)
+    run_tok = build_tokenizer(cfg.model)
     ids = run_tok.encode(prompt, add_bos=cfg.data.add_bos)
     assert load_tokenizer(tmp_path / "hf").encode(prompt, add_bos=cfg.data.add_bos) == ids
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -201,7 +201,7 @@ def test_rollout_with_continuous_scheduler(tiny, invariant_static):
     Catches: the traceable `sample` ignoring the scheduler switch, occupancy computed over rows
     instead of slots."""
     from rljax.rewards import Rewards
-    from rljax.train.rollout import rollout
+    from rljax.stages.rollout import rollout
 
     cfg, params = tiny
     controls = CONTROLS.replace(batch_invariant=True, scheduler="continuous", slots=4, prefill_batch=2)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax.models.setup import build_teacher, policy_config
 from rljax.errors import ConfigError
 from rljax.models import forward, init_params, preset, token_logprobs
 from rljax.models.auxiliary import FrozenModel
@@ -337,11 +338,10 @@ def _teacher_dir(tmp_path, alphabet="0123456789+-= "):
     """A teacher deeper and wider than TINY_RUN's policy, saved as a HF directory with a tokenizer."""
     from rljax.models import save_hf
     from rljax.tokenizers import load as load_tokenizer
-    from rljax.train import setup
     from rljax.train.config import load_config
 
     tok = load_tokenizer(f"chars:{alphabet}")
-    policy = setup.policy_config(load_config(None, TINY_RUN).model, tok)
+    policy = policy_config(load_config(None, TINY_RUN).model, tok)
     tcfg = dataclasses.replace(policy, hidden_size=96, intermediate_size=192, num_layers=3, num_heads=3)
     path = tmp_path / f"teacher_{len(alphabet)}_{alphabet[0]}"
     save_hf(tcfg, init_params(tcfg, jax.random.key(3)), path)
@@ -379,7 +379,6 @@ def test_run_config_refusals_are_one_line(tmp_path):
     """A distilling recipe without a teacher, a teacher without distillation, GJSD with packing,
     and a teacher whose tokenizer is not the policy's."""
     from rljax.tokenizers import load as load_tokenizer
-    from rljax.train import setup
     from rljax.train.config import load_config
 
     with pytest.raises(ConfigError, match="set teacher.checkpoint"):
@@ -392,7 +391,7 @@ def test_run_config_refusals_are_one_line(tmp_path):
     cfg = load_config(None, TINY_RUN + ["algorithm.algorithm=opd", f"teacher.checkpoint='{other}'"])
     tok = load_tokenizer("chars:0123456789+-= ")
     with pytest.raises(ConfigError, match="tokenizer other than the policy's"):
-        setup.build_teacher(cfg.teacher, setup.policy_config(cfg.model, tok), tok, jax.random.key(0))
+        build_teacher(cfg.teacher, policy_config(cfg.model, tok), tok, jax.random.key(0))
 
 
 def test_sharded_teacher_is_placed_like_the_policy_and_updates_as_on_one_device(tmp_path):
@@ -403,18 +402,17 @@ def test_sharded_teacher_is_placed_like_the_policy_and_updates_as_on_one_device(
     from the unsharded one (e.g. rows scored against the wrong shard of the teacher)."""
     from rljax import sharding
     from rljax.tokenizers import load as load_tokenizer
-    from rljax.train import setup
     from rljax.train.config import load_config
 
     layout = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(fsdp=4, tensor=2)))
     cfg = load_config(None, TINY_RUN + ["algorithm.algorithm=opd", f"teacher.checkpoint='{_teacher_dir(tmp_path)}'"])
     tok = load_tokenizer("chars:0123456789+-= ")
-    policy_cfg = setup.policy_config(cfg.model, tok)
+    policy_cfg = policy_config(cfg.model, tok)
     params = init_params(policy_cfg, jax.random.key(0))
     batch = _batch(0, cfg=policy_cfg, params=params)
     results = []
     for where in (None, layout):
-        teacher = setup.build_teacher(cfg.teacher, policy_cfg, tok, jax.random.key(0), where)
+        teacher = build_teacher(cfg.teacher, policy_cfg, tok, jax.random.key(0), where)
         if where is not None:
             want = jax.tree.leaves(layout.params(teacher.params))
             assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(teacher.params), want))

@@ -2,10 +2,10 @@
 observations through the verifier pool, SimpleTIR's void-turn filter, and the author-based loss
 mask against NumPy references.
 
-This module imports no jax at its top: pool workers import it to unpickle the fake tools below.
+This module imports no jax at its top: pool workers may import it to unpickle its tools and hooks
+(the misbehaving tool lives in the lighter test_envs_helpers.py).
 """
 
-import dataclasses
 import os
 import random
 import time
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from rljax import envs
-from rljax.envs import ENV, MODEL, PAD, PROMPT, FORMATS, ToolEnv, ToolOutput
+from rljax.envs import ENV, MODEL, PAD, PROMPT, FORMATS, ToolEnv
 from rljax.errors import ConfigError
 from rljax.rewards import MathAnswer, SandboxLimits, VerifierPool
+from test_envs_helpers import MisbehavingTool
 from test_rewards_sandbox import ATTACKS
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=2.0, memory_mb=256, output_bytes=1 << 14, total_s=4.0)
@@ -31,28 +32,6 @@ def pool():
 def _penalize_tool_errors(parsed, tool_error):
     """A per-turn reward hook (module level, so it pickles): -0.1 per failed tool call."""
     return -0.1 if tool_error else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class MisbehavingTool:
-    """A tool whose Python misbehaves in the pool worker itself, outside any sandbox."""
-
-    name = "misbehaving"
-    argument = "input"
-    time_limit_s = 1.5
-
-    def schema(self):
-        return {}
-
-    def __call__(self, arguments, history):
-        what = arguments["input"]
-        if what == "hang":
-            time.sleep(60)
-        if what == "die":
-            os._exit(3)
-        if what == "raise":
-            raise RuntimeError("tool bug")
-        return ToolOutput(f"ok {what}", False, history)
 
 
 # ----------------------------------------------------------------------------- registry

@@ -52,7 +52,7 @@ def test_over_long_prompt_dropped_alike_by_pipeline_evaluator_and_warm_start():
     from rljax.evaluation.runner import EvalSetup
     from rljax.sampling import SampleControls
     from rljax.tokenizers import CharTokenizer
-    from rljax.train.warm_start import sft_pairs
+    from rljax.warmstart.sft import sft_pairs
 
     tok = CharTokenizer("0123456789+= ")
     fmt = PromptFormat("{question}")

@@ -58,7 +58,7 @@ def test_sampler_and_trainer_logprobs_agree(run):
     if the sampler and trainer score with different code or dtypes on the real model."""
     _, result = run
     for row in result.history[1:]:
-        mean, worst = row["rollout/logp_diff_mean"], row["rollout/logp_diff_max"]
+        mean, worst = row["update/logp_diff_mean"], row["update/logp_diff_max"]
         assert mean <= LOGP_MEAN_BOUND and worst <= LOGP_MAX_BOUND, (mean, worst)
 
 

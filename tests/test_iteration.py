@@ -14,8 +14,8 @@ from rljax.objectives import AlgorithmConfig, RolloutNeeds
 from rljax.optim import OptimConfig
 from rljax.rewards.base import Rewards
 from rljax.sampling import SampleControls, generate, sample
-from rljax.train.iteration import make_iteration, merge_metrics
-from rljax.train.rollout import rollout
+from rljax.stages.iteration import make_iteration, merge_metrics
+from rljax.stages.rollout import rollout
 from rljax.update import init_train_state
 
 CFG = preset("qwen2-test")

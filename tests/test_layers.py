@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = 4
+CLI = 7
 # Low to high. Top-level names under rljax/: a package or a module (errors, config_io, optim).
 # Evaluation and the loop are the orchestration layers; evaluation sits below the loop, which
 # runs it (evaluation importing the loop's setup would be a cycle in waiting).
@@ -23,10 +23,14 @@ LAYERS = {
     "errors": 0, "config_io": 0, "optim": 0, "storage": 0,
     "sampling": 1, "update": 1, "data": 1, "checkpoint": 1, "sharding": 1, "envs": 1,
     "evaluation": 2,
-    "train": 3, "plan": 3,
+    "stages": 3, "warmstart": 3,
+    "drivers": 4,
+    "plan": 5,
+    "train": 6,
     "cli": CLI, "__main__": CLI, "quiet": CLI,
 }
-LAYER_NAMES = ("foundations", "stages", "evaluation", "training loop", "command line")
+LAYER_NAMES = ("foundations", "components", "evaluation", "programs", "drivers", "planning", "training run",
+               "command line")
 
 
 def layer_of(module: str) -> int | None:
@@ -125,8 +129,8 @@ def test_upward_imports_are_reported(tmp_path):
     expected = [
         ("rljax/data/y.py:2", "rljax (command line)"),
         ("rljax/extras/z.py", "in no layer"),
-        ("rljax/models/core.py:4", "rljax.train (training loop)"),
-        ("rljax/models/rel.py:1", "rljax.sampling (stages)"),
+        ("rljax/models/core.py:4", "rljax.train (training run)"),
+        ("rljax/models/rel.py:1", "rljax.sampling (components)"),
         ("rljax/tokenizers/x.py:1", "rljax.evaluation (evaluation)"),
     ]
     assert len(problems) == len(expected), problems
@@ -143,8 +147,107 @@ def test_docs_list_the_same_layers():
     assert documented == expected
 
 
-@pytest.mark.parametrize("module, layer", [("rljax.sampling.command", CLI), ("rljax.train.loop", 3),
+@pytest.mark.parametrize("module, layer", [("rljax.sampling.command", CLI), ("rljax.train.loop", 6),
                                            ("rljax.errors", 0), ("rljax", CLI), ("rljax.extras.x", None)])
 def test_layer_of(module, layer):
     """`command` modules and the package root are CLI; others follow their top-level name."""
     assert layer_of(module) == layer
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def import_graph(package_root: Path) -> dict[str, set[str]]:
+    """Module -> the rljax modules it imports (lazy imports included). Package `__init__`s are
+    facades that re-export their modules, so an import of a package counts as none: a cycle
+    must run through real modules."""
+    paths = sorted(package_root.rglob("*.py"))
+    known = {module_name(path, package_root) for path in paths}
+    packages = {module_name(p, package_root) for p in paths if p.name == "__init__.py"}
+    graph = {}
+    for path in paths:
+        module = module_name(path, package_root)
+        if module in packages:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[module] = {name for _, name in imported_modules(tree, module, False, known)
+                         if name in known and name not in packages and name != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules of rljax/ import each other, directly or through others. Catches the old
+    `sampling/continuous.py` <-> `sampling/paged.py` pair."""
+    assert cycles(import_graph(ROOT / "rljax")) == []
+
+
+def test_cycles_are_found(tmp_path):
+    """The cycle finder itself: a three-module ring is reported, a chain is not."""
+    pkg = tmp_path / "rljax"
+    _write(pkg, "__init__.py")
+    _write(pkg, "a/__init__.py", "from rljax.a.x import f\n")  # a facade: not an edge
+    _write(pkg, "a/x.py", "from rljax.a.y import g\n")
+    _write(pkg, "a/y.py", "def g():\n    from rljax.a.z import h\n")  # lazy counts
+    _write(pkg, "a/z.py", "from rljax.a import x\n")
+    _write(pkg, "b/p.py", "from rljax.b.q import f\n")
+    _write(pkg, "b/q.py", "")
+    assert cycles(import_graph(pkg)) == [["rljax.a.x", "rljax.a.y", "rljax.a.z"]]
+
+
+def test_plan_does_not_import_the_training_run():
+    """`rljax.plan` sizes a run from its config and the stage programs; it never imports `train/`
+    (the loop, its setup or its config), so planning cannot depend on how a run is driven."""
+    graph = import_graph(ROOT / "rljax")
+    plan = {m: deps for m, deps in graph.items() if m.startswith("rljax.plan.") and not m.endswith(".command")}
+    assert plan and not [(m, d) for m, deps in plan.items() for d in deps if d.startswith("rljax.train")]
+
+
+def test_files_are_short_and_train_is_the_outline():
+    """No module of rljax/ over 450 lines, and `train/` (the run's outline, setup, config and CLI)
+    under 2,000 lines in all."""
+    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in (ROOT / "rljax").rglob("*.py")}
+    assert {p: n for p, n in sizes.items() if n > 450} == {}
+    train = sum(n for p, n in sizes.items() if p.parts[1] == "train")
+    assert train < 2000, train
+
+
+def test_the_loop_does_not_branch_on_the_mode():
+    """`train()` runs `DRIVERS[cfg.driver]` and knows no mode: its module reads none of the settings
+    that pick a driver (rl.mode, [env], a mixture, the sampler's layout or processes)."""
+    text = (ROOT / "rljax" / "train" / "loop.py").read_text()
+    code = "\n".join(line.split("#")[0] for line in text.split('"""')[-1].splitlines())
+    for setting in ("rl.mode", ".env", "host_batching", "sampler_layout", "run.sampler", "sampler_processes",
+                    "is_mixture", "dynamic_sampling"):
+        assert setting not in code, setting

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from rljax.rewards.config import build_reward
 from rljax import rewards
 from rljax.data.example import Example, question_key, verifier_metadata
 from rljax.data.mixture import FreshStream, MixtureSampler, MixtureSource, task_metrics
@@ -21,9 +21,9 @@ from rljax.data.templates import PromptFormat
 from rljax.errors import ConfigError, DataError
 from rljax.tokenizers import CharTokenizer
 from rljax.train import setup
-from rljax.train.batching import HostBatcher, Rounds, gather_groups
-from rljax.train.config import RewardSection, SourceSection, load_config
-from rljax.train.warm_start import stop_reason
+from rljax.drivers.host import HostBatcher, Rounds, gather_groups
+from rljax.train.config import load_config
+from rljax.warmstart.sft import stop_reason
 from rljax.update import RolloutBatch
 
 TOK = CharTokenizer("0123456789+-= ")
@@ -52,7 +52,7 @@ def test_sources_table_parses_and_labels(tmp_path):
     assert labels == ["chain_sum@L1", "chain_sum@L2", "gsm"] and cfg.data.sources[0].weight == 2.0
     assert cfg.host_batching and not load_config(None).host_batching
     assert json.loads(json.dumps(cfg.to_dict()))["data"]["sources"][2]["verifier"] == "math"
-    routed = setup.build_reward(cfg.reward, cfg.data.sources).parts[0].verifier
+    routed = build_reward(cfg.reward, cfg.data.sources).parts[0].verifier
     assert isinstance(routed.routes["gsm"], rewards.MathAnswer)
     assert isinstance(routed.routes["chain_sum@L1"], rewards.ReasoningGymAnswer)
 

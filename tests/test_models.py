@@ -92,7 +92,7 @@ def test_kv_cache_decoding_equals_full_forward(family_ckpt):
 
 def test_rope_table_rows_equal_computed_angles(family_ckpt):
     """`rope_table` rows are bitwise the cos and sin `rope_tables` computes (Llama 3 scaling too)."""
-    from rljax.models.transformer import rope_tables
+    from rljax.models.layers import rope_tables
     cfg = family_ckpt[3]
     positions_bt = jnp.asarray([[0, 5, 17], [3, 3, 40]], jnp.int32)
     direct = rope_tables(positions_bt, cfg)
@@ -322,7 +322,7 @@ def test_gated_activation_gradients_are_autodiffs(name):
     act(gate) * up: in f32 to 1e-6; with bf16 saving, autodiff's at the bf16-rounded gate and up.
     Catches a wrong activation derivative (e.g. silu' = sigmoid), swapped gate and up
     cotangents, and saved values not rounded as stated."""
-    from rljax.models.transformer import _activation, gated_activation
+    from rljax.models.layers import _activation, gated_activation
 
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     gate, up, g = (3 * jax.random.normal(k, (4, 8, 32)) for k in (k1, k2, k3))

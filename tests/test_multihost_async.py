@@ -1,4 +1,4 @@
-"""`rl.mode = "async"` across processes (`rljax.train.remote`): two local processes with one CPU
+"""`rl.mode = "async"` across processes (`rljax.drivers.remote`): two local processes with one CPU
 device each, joined by jax.distributed, run `rljax train` with `mesh.sampler_processes=1`:
 process 0 trains, process 1 samples, and weights and rollouts cross over the transport."""
 
@@ -17,11 +17,11 @@ import jax
 import numpy as np
 import pytest
 
+from rljax.models.setup import build_policy, build_tokenizer
 from rljax.checkpoint import Checkpointer
 from rljax.errors import ConfigError
-from rljax.train import setup
 from rljax.train.config import load_config
-from rljax.train.remote import Roles
+from rljax.drivers.remote import Roles
 
 _TIMEOUT_S = 240
 _ETA = 1
@@ -110,7 +110,7 @@ def test_trainer_and_sampler_processes_train_with_bounded_staleness(three_steps,
           f" s; pull {[round(r['time/weight_pull_s'], 4) for r in trained]} s")
 
     cfg = load_config(None, _RUN + [f"output_dir='{tmp_path / 'unused'}'"])
-    _, template = setup.build_policy(cfg.model, setup.build_tokenizer(cfg.model), jax.random.key(0))
+    _, template = build_policy(cfg.model, build_tokenizer(cfg.model), jax.random.key(0))
     template = jax.tree.map(np.asarray, template)
     with Checkpointer(out / "checkpoints", read_only=True) as ckpt:
         assert ckpt.all_steps() == [1, 2, 3]
@@ -162,7 +162,7 @@ def test_a_killed_sampler_stops_the_trainer_with_the_transport_timeout(tmp_path)
         _communicate(procs, timeout_s=1)
     assert procs[0].returncode != 0
     lost = [x for x in log.splitlines() if x.startswith(("rljax.sharding.transport.TransportTimeout: no item",
-                                                          "rljax.train.remote.SamplerLost: "))]
+                                                          "rljax.drivers.remote.SamplerLost: "))]
     assert len(lost) == 1 and "rollouts/1" in lost[0], log[-3000:]
     print(f"\ntrainer stopped {stopped_after:.1f} s after the kill")
     assert stopped_after < 30

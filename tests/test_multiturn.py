@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_envs import MisbehavingTool
+from test_envs_helpers import MisbehavingTool
 
 import rljax.models as M
 from rljax import envs
@@ -27,7 +27,9 @@ from rljax.rewards.pool import VerifierPool
 from rljax.sampling import SampleControls
 from rljax.sampling import multiturn as MT
 from rljax.tokenizers.char import CharTokenizer
-from rljax.train.episodes import EpisodeHost, EpisodeOptions, episode_metrics, episodes_to_batch, turn_returns
+from rljax.envs.config import EnvConfig as EpisodeOptions
+from rljax.envs.host import EpisodeHost
+from rljax.stages.episodes import episode_metrics, episodes_to_batch, turn_returns
 from rljax.update import init_train_state, prepare_batch
 from rljax.update.loss import aggregation_denominator
 
@@ -43,6 +45,11 @@ def _observation(output: str) -> str:
     return TOK.decode(host.observation_ids(FORMATS["tags"].render_observation(output)))
 
 
+# the pool's error outputs for the hanging and the dying tool (`rljax.envs.runner`); both are cut to
+# the same 20 tokens, so a script stays aligned whichever comes, and the test reads them uncut
+HANG_ERROR = "error: the tool timed out (exceeded 1.5 s)"
+DIE_ERROR = "error: the tool failed (worker process died)"
+
 # (question, answer, [(author, text)...] scripting what the model writes, or None: sampled)
 M_, E_ = MODEL, ENV  # short, for the table
 ROWS = [
@@ -51,8 +58,8 @@ ROWS = [
     ("123*456=", "56088", [(M_, "<tool>123*456</tool>"), (E_, "<result>56088</re..."), (M_, "5608" + EOS)]),
     ("7*8=", "56", [(M_, "<tool>7*8</tool>")]),
     ("9*9=", "81", None),
-    ("1=", "1", [(M_, "<tool>hang</tool>")]),
-    ("2=", "2", [(M_, "<tool>die</tool>")]),
+    ("1=", "1", [(M_, "<tool>hang</tool>"), (E_, _observation(HANG_ERROR)), (M_, "1" + EOS)]),
+    ("2=", "2", [(M_, "<tool>die</tool>"), (E_, _observation(DIE_ERROR)), (M_, "2" + EOS)]),
     ("3=", "3", [(M_, "<tool>raise</tool>"), (E_, _observation("error: RuntimeError: tool bug")),
                  (M_, "3" + EOS)]),
     ("4=", "4", [(M_, "<tool>1+" + EOS)]),  # a call cut off: a void turn
@@ -215,26 +222,33 @@ def test_same_key_same_episodes_and_the_host_loop_driver_agrees(model, calculato
     np.testing.assert_allclose(looped.logprobs_bn, e.logprobs_bn, atol=1e-6, rtol=0)
 
 
-def test_failing_tools_are_observations_inside_the_rollout(model):
+def test_failing_tools_are_observations_inside_the_rollout(model, tmp_path):
     """A tool that hangs (killed at its 1.5 s limit), one that kills its pool worker and one that
-    raises give error observations inside the compiled rollout, and the episodes go on: the
-    raising row answers after its error and is scored.
+    raises give error observations inside the compiled rollout, and the episodes go on: each of
+    the three rows answers after its error (the whole episode is scripted) and is scored. Each
+    tool runs once (the tool's own call log, written in the worker) and errors once.
 
     Catches: a pool failure propagating through io_callback (the rollout would raise), an error
-    that ends the episode, and a hang that waits for the tool."""
+    that ends the episode, a hang that waits for the tool, a crashed or timed-out call run again
+    (a second line in the call log) and an error counted twice."""
     params, host, run = model
-    env = ToolEnv((MisbehavingTool(),), FORMATS["tags"], MathAnswer(time_limit_s=None), max_turns=3)
+    calls = tmp_path / "calls"
+    env = ToolEnv((MisbehavingTool(calls=str(calls)),), FORMATS["tags"], MathAnswer(time_limit_s=None), max_turns=3)
     with VerifierPool(2) as pool:
         host.inner = EpisodeHost(env, TOK, TABLE, max_observation_tokens=OPTIONS.max_observation_tokens, pool=pool)
         e = jax.device_get(run(params, jax.random.key(1)))
-    results = host.inner.last.results
+    results, actions = host.inner.last.results, host.inner.last.actions
     assert [results[r][0].info.get("flag") for r in (4, 5, 6)] == ["timeout", "error", None]
-    # the hanging and the dying rows error once; the raising row errors at least once: under heavy load
-    # (CI at load 6) its later call can also time out while the pool restarts the worker the dying
-    # row killed, a second error observation, which is still the behaviour under test
-    assert e.tool_errors_b[4:6].tolist() == [1, 1] and e.tool_errors_b[6] >= 1 and np.all(e.turns_b[4:7] >= 2)
-    assert _text(e, 4).startswith("<tool>hang</tool><result>error")
-    assert _text(e, 6) == _joined(6) and e.rewards_b[6] == 1.0
+    assert [results[r][0].observation_text for r in (4, 5)] == [f"<result>{HANG_ERROR}</result>",
+                                                                f"<result>{DIE_ERROR}</result>"]
+    assert [actions[r] for r in (4, 5, 6)] == [["<tool>hang</tool>", "1"], ["<tool>die</tool>", "2"],
+                                               ["<tool>raise</tool>", "3"]]
+    ran = calls.read_text().split()
+    assert [ran.count(what) for what in ("hang", "die", "raise")] == [1, 1, 1], ran
+    assert e.tool_calls_b[4:7].tolist() == [1, 1, 1] and e.tool_errors_b[4:7].tolist() == [1, 1, 1]
+    assert e.turns_b[4:7].tolist() == [2, 2, 2] and e.rewards_b[4:7].tolist() == [1.0, 1.0, 1.0]
+    for r in (4, 5, 6):
+        assert _text(e, r) == _joined(r), r
 
 
 def test_batch_masks_env_tokens_out_of_the_loss_and_its_denominator(model, calculator_episodes):
@@ -299,7 +313,7 @@ def test_one_fused_iteration_trains_on_episodes(model):
 
     Catches: a rollout that never reaches the update (params unchanged), metrics computed on
     other rows than the host stepped, and metric names clashing with the update's."""
-    from rljax.train.episodes import make_episode_iteration
+    from rljax.stages.episodes import make_episode_iteration
 
     params, _, _ = model
     host = calculator_host()

@@ -1,11 +1,15 @@
 """Advantage estimators and reward transforms against plain-NumPy references written from the papers."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rljax import objectives as obj
+from rljax.errors import ConfigError
+from rljax.objectives.registry import DISTILLATION
 
 B, T, N = 12, 9, 4  # rows, time, group size
 
@@ -250,3 +254,64 @@ def test_overlong_penalty_matches_dapo_formula():
     want = [0.0 if n <= 12 else ((12 - n) / 4 if n <= 16 else -1.0) for n in lengths]
     np.testing.assert_allclose(got, want, atol=1e-7)
     np.testing.assert_allclose(np.asarray(obj.length_penalty(jnp.asarray(lengths), 0.5, 16)), -0.5 * lengths / 16)
+
+
+def test_registry_declarations_match_what_each_estimator_reads(data):
+    """Each estimator's declared `params` and `reads` are exactly the config fields and optional
+    rollout fields that change its output: moving one off its default changes the advantages iff
+    the entry declares it. The declarations replace a side list of discounting estimators and a
+    signature inspection, so this is what keeps them from drifting from the code.
+
+    Catches: an estimator that starts reading gamma, lam, std_normalize, eps or turn returns
+    without declaring it (AlgorithmConfig would refuse a setting it uses, or the update would
+    let turn returns be silently ignored), and a stale declaration."""
+    rng, mask, r, g = data
+    k = 3
+    turn_bt = np.where(mask > 0, rng.integers(0, k, size=(B, T)), -1).astype(np.int32)
+    base = dict(baseline_b=jnp.zeros(B), values_bt=jnp.asarray(rng.normal(size=(B, T)), jnp.float32),
+                gamma=1.0, lam=1.0, std_normalize=True, eps=1e-6)
+    moved = dict(gamma=dict(gamma=0.5), lam=dict(lam=0.5), std_normalize=dict(std_normalize=False),
+                 eps=dict(eps=0.5), turn_returns=dict(turn_bt=jnp.asarray(turn_bt),
+                                                      turn_returns_bk=jnp.asarray(rng.normal(size=(B, k)), jnp.float32)))
+    for name in obj.ADVANTAGES.names():
+        fn = obj.ADVANTAGES.get(name)
+        ref = np.asarray(fn(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask), **base))
+        declared = obj.ADVANTAGES.params(name) | obj.ADVANTAGES.reads(name)
+        for what, change in moved.items():
+            got = np.asarray(fn(jnp.asarray(r), jnp.asarray(g), jnp.asarray(mask), **{**base, **change}))
+            assert (not np.array_equal(got, ref)) == (what in declared), (name, what)
+
+
+def test_declared_params_are_config_fields_and_drive_the_checks():
+    """Every registry entry's params name AlgorithmConfig fields, and the gamma / lam checks and
+    their messages come from the advantage entries' declarations."""
+    fields = {f.name for f in dataclasses.fields(obj.AlgorithmConfig)}
+    for reg in (obj.ADVANTAGES, obj.POLICY_LOSSES, obj.AGGREGATIONS, obj.KL_ESTIMATORS, obj.OFF_POLICY,
+                DISTILLATION):
+        for name in reg.names():
+            assert reg.params(name) <= fields, (reg.kind, name)
+    assert obj.ADVANTAGES.declaring("gamma") == ("gae", "reinforce_pp")
+    assert obj.ADVANTAGES.declaring("lam") == ("gae",)
+    assert obj.AlgorithmConfig(algorithm="reinforce_pp", gamma=0.9).gamma == 0.9
+    for kwargs, needle in ((dict(algorithm="grpo", gamma=0.9), "discounting applies to gae, reinforce_pp: set gamma=1"),
+                           (dict(algorithm="reinforce_pp", lam=0.9), "only gae uses lambda: set lam=1")):
+        with pytest.raises(ConfigError, match=needle):
+            obj.AlgorithmConfig(**kwargs)
+
+
+def test_check_turn_credit_is_one_line_per_refusal():
+    """`check_turn_credit`, the one turn-credit check (config loader and update): an estimator that
+    does not read turn returns, the KL folded into the reward, a PRM's per-token rewards and the
+    length shaping are each refused in one line; grpo and dr_grpo without them pass."""
+    none = obj.RewardShaping()
+    for adv in obj.ADVANTAGES.reading("turn_returns"):
+        obj.check_turn_credit(obj.AlgorithmConfig(advantage=adv), none)
+    cases = ((obj.AlgorithmConfig(algorithm="rloo"), none, False, "needs an advantage that takes turn returns "
+              "\\(dr_grpo, grpo\\), not algorithm.advantage='rloo'"),
+             (obj.AlgorithmConfig(kl_coef=0.01, kl_in_reward=True), none, False, "algorithm.kl_in_reward"),
+             (obj.AlgorithmConfig(), none, True, "reward.model.credit='token'"),
+             (obj.AlgorithmConfig(), obj.RewardShaping(length_penalty=0.1), False, "\\[shaping\\]"))
+    for algo, shaping, token_rewards, needle in cases:
+        with pytest.raises(ConfigError, match=needle) as err:
+            obj.check_turn_credit(algo, shaping, token_rewards=token_rewards)
+        assert "\n" not in str(err.value)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from jax.experimental import io_callback
 
+from rljax.sharding.placement import build_layouts
 from rljax.errors import ConfigError
 from rljax.models import init_params, preset
 from rljax.objectives import AlgorithmConfig
@@ -28,11 +29,12 @@ from rljax.optim import OptimConfig
 from rljax.rewards.base import Rewards
 from rljax.sampling import SampleControls
 from rljax.sharding import split_devices
-from rljax.train import overlap, setup
-from rljax.train.config import MeshSection, load_config
-from rljax.train.iteration import make_stages
+from rljax.drivers import overlap
+from rljax.sharding.mesh import MeshConfig
+from rljax.train.config import load_config
+from rljax.stages.iteration import make_stages
 from rljax.train.loop import train
-from rljax.train.rollout_queue import row_versions
+from rljax.drivers.queue import row_versions
 from rljax.update import init_train_state
 
 CFG = preset("qwen2-test")
@@ -71,7 +73,7 @@ def prompt_source():
 
 @pytest.fixture(scope="module")
 def layouts():
-    return setup.build_layouts(MeshSection(devices=2, sampler_devices=1))
+    return build_layouts(MeshConfig(devices=2, sampler_devices=1))
 
 
 @pytest.fixture(scope="module")

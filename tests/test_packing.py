@@ -207,7 +207,7 @@ def test_fused_iteration_runs_the_packed_update():
     """Sample -> verify -> packed update as one compiled iteration (the fused form the default job
     runs) gives the unpacked iteration's metrics from the same key, with the packing metrics.
     Catches a packing switch the iteration does not reach."""
-    from rljax.train.iteration import make_iteration
+    from rljax.stages.iteration import make_iteration
     from test_iteration import CONTROLS, P, _prompts, reward_callback
 
     tokens, mask, index = _prompts(3)

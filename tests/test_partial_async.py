@@ -18,12 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax.sharding.placement import build_layouts
 from rljax.errors import ConfigError
 from rljax.models import init_params, token_logprobs
-from rljax.train import overlap, setup
-from rljax.train.config import MeshSection, load_config
-from rljax.train.iteration import make_stages
-from rljax.train.rollout_queue import row_versions
+from rljax.drivers import overlap
+from rljax.sharding.mesh import MeshConfig
+from rljax.train.config import load_config
+from rljax.stages.iteration import make_stages
+from rljax.drivers.queue import row_versions
 from rljax.update import init_train_state
 from test_overlap import (ALGO, CFG, CONTROLS, LOOP_KEY, OPTIM, ROWS, P, T, drive, prompts_at,
                           reward_callback)
@@ -54,7 +56,7 @@ class _Run:
 
 @pytest.fixture(scope="module")
 def programs():
-    trainer, sampler = setup.build_layouts(MeshSection(devices=2, sampler_devices=1))
+    trainer, sampler = build_layouts(MeshConfig(devices=2, sampler_devices=1))
     params = init_params(CFG, jax.random.key(0))
 
     def fresh_state():  # every leaf placed, as `rljax train` builds it; a new one per run (updates donate it)

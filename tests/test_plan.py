@@ -16,6 +16,9 @@ import jax
 import numpy as np
 import pytest
 
+from rljax.rewards.config import build_reward
+from rljax.models.setup import build_tokenizer, policy_config
+from rljax.sharding.placement import build_layouts
 from rljax import cli
 from rljax.models import init_params
 from rljax.plan.accelerators import GIB, SLICES, find, format_gib
@@ -24,9 +27,8 @@ from rljax.plan.memory import plan_memory, state_memory, update_memory
 from rljax.plan.shapes import NAMED_SHAPES, model_config
 from rljax.rewards import as_callback
 from rljax.sharding import device_bytes
-from rljax.train import setup
 from rljax.train.config import load_config
-from rljax.train.iteration import make_iteration
+from rljax.stages.iteration import make_iteration
 from rljax.update import init_train_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +44,7 @@ def tiny(*overrides: str):
 @pytest.fixture(scope="module")
 def planned():
     cfg = tiny()
-    tokenizer = setup.build_tokenizer(cfg.model)
+    tokenizer = build_tokenizer(cfg.model)
     return cfg, tokenizer, plan_memory(cfg, tokenizer=tokenizer)
 
 
@@ -57,8 +59,8 @@ def test_plan_equals_the_runs_arrays_and_program(planned):
     optimiser moments, planning a different program than the loop compiles (other shardings,
     shapes or batch), adding the donated state twice."""
     cfg, tokenizer, plan = planned
-    model_cfg = setup.policy_config(cfg.model, tokenizer)
-    trainer, _ = setup.build_layouts(cfg.mesh)
+    model_cfg = policy_config(cfg.model, tokenizer)
+    trainer, _ = build_layouts(cfg.mesh)
     assert dict(trainer.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1} == plan.state.mesh
     state = init_train_state(model_cfg, init_params(model_cfg, jax.random.key(0)), cfg.algorithm, cfg.optim,
                              update_cfg=cfg.update, shaping=cfg.shaping)
@@ -68,7 +70,7 @@ def test_plan_equals_the_runs_arrays_and_program(planned):
         per_device = device_bytes(tree)
         assert len(per_device) == 8 and set(per_device.values()) == {planned_bytes}
 
-    callback = as_callback(setup.build_reward(cfg.reward), tokenizer, [{"answer": "1"}])
+    callback = as_callback(build_reward(cfg.reward), tokenizer, [{"answer": "1"}])
     iteration = make_iteration(cfg.sampling.with_tokenizer(tokenizer), callback, num_groups=8, layout=trainer)
     prompts = jax.device_put((np.zeros((8, 8), np.int32), np.ones((8, 8), bool), np.zeros(8, np.int32)),
                              jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec("fsdp")))
@@ -209,7 +211,7 @@ def test_advice_names_a_setting_whose_plan_fits(planned):
     assert not advice.fits and advice.setting is not None and advice.setting.startswith("update."), advice
     changed = plan_memory(tiny(*advice.setting.split()), tokenizer=tokenizer, sampler=plan.sampler)  # it is unchanged
     assert changed.peak_bytes <= limit, (advice, changed.peak_bytes)
-    assert advice.setting in [c.setting for c in candidates(cfg, setup.policy_config(cfg.model, tokenizer))]
+    assert advice.setting in [c.setting for c in candidates(cfg, policy_config(cfg.model, tokenizer))]
 
 
 # ----------------------------------------------------------------------------- the command
@@ -239,8 +241,8 @@ def test_packed_plan_advice_halves_the_token_budget():
     `update.num_microbatches` to a packed run (a ConfigError when applied)."""
     packed = ("update.packing=true", "update.max_tokens_per_microbatch=192")  # 16 buffers of 12 tokens
     cfg = tiny(*packed)
-    tokenizer = setup.build_tokenizer(cfg.model)
-    model_cfg = setup.policy_config(cfg.model, tokenizer)
+    tokenizer = build_tokenizer(cfg.model)
+    model_cfg = policy_config(cfg.model, tokenizer)
     settings = [c.setting for c in candidates(cfg, model_cfg)]
     assert settings[0] == "update.max_tokens_per_microbatch=96" and "num_microbatches" not in " ".join(settings)
     base = plan_memory(cfg, tokenizer=tokenizer, one_program=False)

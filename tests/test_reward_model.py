@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 
+from rljax.models.setup import policy_config
+from rljax.rewards.config import build_reward_model
 from rljax.errors import CheckpointError
 from rljax.models import load_hf, save_hf
 from rljax.models.heads import read_head, sequence_scores, token_scores
@@ -186,12 +188,11 @@ def _reward_model_dir(tmp_path):
     import jax
 
     from rljax.tokenizers import load as load_tokenizer
-    from rljax.train import setup
     from rljax.train.config import load_config
     from rljax.train.reward_model import init_reward_params
 
     tok = load_tokenizer("chars:0123456789+-= ")
-    policy = setup.policy_config(load_config(None, TINY_RUN).model, tok)
+    policy = policy_config(load_config(None, TINY_RUN).model, tok)
     cfg = dataclasses.replace(policy, hidden_size=RM_WIDTH, intermediate_size=96, num_heads=2, head_dim=24)
     params = init_reward_params(cfg, None, jax.random.key(5))
     params["score"] = params["score"] * 30.0
@@ -238,7 +239,7 @@ def test_the_fused_iteration_runs_the_reward_model_without_a_host_hop(tmp_path):
 
     from rljax.plan.memory import _Pieces
     from rljax.train.config import load_config
-    from rljax.train.iteration import make_iteration
+    from rljax.stages.iteration import make_iteration
 
     texts = []
     for extra in ([], [f"reward.model={{checkpoint = '{_reward_model_dir(tmp_path)}'}}"]):
@@ -256,7 +257,6 @@ def test_reward_model_refusals_are_one_line(tmp_path):
     from hf_factory import make_checkpoint
 
     from rljax.tokenizers import load as load_tokenizer
-    from rljax.train import setup
     from rljax.train.config import load_config
 
     with pytest.raises(Exception, match="drop rl.dynamic_sampling or reward.model"):
@@ -265,7 +265,7 @@ def test_reward_model_refusals_are_one_line(tmp_path):
     cfg = load_config(None, TINY_RUN + [f"reward.model={{checkpoint = '{tmp_path / 'lm'}'}}"])
     tok = load_tokenizer("chars:0123456789+-= ")
     with pytest.raises(CheckpointError, match="not a classification model"):
-        setup.build_reward_model(cfg.reward.model, setup.policy_config(cfg.model, tok), tok)
+        build_reward_model(cfg.reward.model, policy_config(cfg.model, tok), tok)
 
 
 def test_train_rm_learns_and_exports_a_reward_model(tmp_path):

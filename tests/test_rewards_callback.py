@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rljax import rewards
 from rljax.errors import ConfigError
 from rljax.rewards.pool import Task, VerifierPool
-from test_rewards_helpers import crash, slow
+from test_rewards_helpers import crash, imported, slow
 
 ALPHABET = "0123456789<>/abcdefghijklmnopqrstuvwxyz{}\\ ."
 
@@ -91,6 +91,16 @@ def test_hung_and_crashing_verifiers_score_zero_with_flags(pool):
     again, _ = rewards.compose(rewards.MathAnswer()).batch([{"answer": "5"}], ["\\boxed{5}"],
                                                            pool=pool)
     assert again.total_b.tolist() == [1.0]
+
+
+def test_new_workers_import_the_verifiers_libraries_before_their_first_task():
+    """A worker has math-verify imported before its first task, so no task's time limit pays the
+    import (0.24 s of CPU; seconds under load).
+
+    Catches: the import left to the first `MathAnswer` call, which timed out at a 1.5 s limit in
+    workers respawned under load (tests/test_multiturn.py's failing-tools test, at load 6-7)."""
+    with VerifierPool(1) as fresh:
+        assert fresh.run([Task(imported, ("math_verify",), 60.0)])[0].value is True
 
 
 def test_pool_matches_inline_run():

@@ -4,6 +4,7 @@ They live in this light module (no jax import) so a pool worker unpickling them 
 a test module that imports jax would spend the verifier's time limit on the import.
 """
 
+import sys
 import time
 
 
@@ -16,3 +17,8 @@ def slow(metadata, completion):
 def crash(metadata, completion):
     """Raises, as a buggy verifier would."""
     raise RuntimeError("verifier bug")
+
+
+def imported(module):
+    """Whether the worker running this has already imported `module`."""
+    return module in sys.modules

@@ -9,7 +9,7 @@ from rljax import envs
 from rljax.data.example import Example
 from rljax.data.templates import PromptFormat
 from rljax.tokenizers.char import CharTokenizer
-from rljax.train.tool_warm_start import demonstration_batch
+from rljax.warmstart.tool_use import demonstration_batch
 
 
 def test_demonstrations_mask_the_environment_and_drop_wrong_episodes():

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rljax.rewards.config import build_reward
 from rljax.train.config import load_config
 from rljax.train.loop import train
 
@@ -157,7 +158,7 @@ def test_reference_reset_and_sample_log(jsonl_run):
     from rljax.data.example import verifier_metadata
     from rljax.train import setup
 
-    reward_fn = setup.build_reward(cfg.reward)
+    reward_fn = build_reward(cfg.reward)
     train_set, _, _ = setup.build_splits(cfg.data)
     by_id = {e.id: e for e in train_set}
     for s in samples:

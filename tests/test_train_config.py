@@ -13,7 +13,8 @@ import pytest
 from rljax.config_io import Bound, check_bound, field_bound
 from rljax.errors import ConfigError
 from rljax.objectives.config import PRESETS, AlgorithmConfig
-from rljax.train.config import CONFIG_DIR, SourceSection, TrainConfig, load_config
+from rljax.data.config import SourceSection
+from rljax.train.config import CONFIG_DIR, TrainConfig, load_config
 
 RECIPES = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
 

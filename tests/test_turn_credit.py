@@ -8,7 +8,6 @@ iteration with scripted turns.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,9 @@ from rljax.sampling import SampleControls
 from rljax.sampling import multiturn as MT
 from rljax.tokenizers.char import CharTokenizer
 from rljax.train.config import load_config
-from rljax.train.episodes import EpisodeHost, EpisodeOptions, episodes_to_batch, make_episode_iteration
+from rljax.envs.config import EnvConfig as EpisodeOptions
+from rljax.envs.host import EpisodeHost
+from rljax.stages.episodes import episodes_to_batch, make_episode_iteration
 from rljax.update import init_train_state, prepare_batch
 
 TOK = CharTokenizer("0123456789+-*= <>/.tolresuhangdi")

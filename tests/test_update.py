@@ -75,7 +75,7 @@ def test_ppo_multi_epoch_multi_minibatch_compiles_once():
     assert float(m1["loss/value"]) > 0 and float(m1["grad_norm"]) > 0
     assert not np.allclose(np.asarray(state.params["embed"]), p0)
     assert not np.allclose(np.asarray(state.value_params["value_head"]), v0)  # the critic trains too
-    assert float(m1["rollout/logp_diff_max"]) < 1e-5  # on-policy start
+    assert float(m1["update/logp_diff_max"]) < 1e-5  # on-policy start
     one_step = _state(algo, update_cfg=UpdateConfig())
     _, m_one = update_step(one_step, _batch(0, noise=0), jax.random.key(0))
     assert abs(float(m_one["ratio/max"]) - 1) < 1e-5 and abs(float(m_one["ratio/min"]) - 1) < 1e-5
@@ -257,7 +257,7 @@ def test_ppo_whitens_advantages_after_taking_value_targets():
 def test_truncated_and_masked_importance_sampling_through_update_step():
     """With `recompute_old_logp`, TIS weights min(pi_old / mu, cap) and MIS drops tokens whose ratio
     leaves [1/cap, cap] (token and sequence level), as written in NumPy from the definitions; the
-    sampler/trainer gap is reported as rollout/logp_diff_*. With mu = pi_old, TIS's update equals no
+    sampler/trainer gap is reported as update/logp_diff_*. With mu = pi_old, TIS's update equals no
     correction's."""
     batch = _batch(9, noise=0.6)
     # Jitted, as the update recomputes it: from jax 0.11 on, op-by-op (eager) scoring differs from
@@ -273,7 +273,7 @@ def test_truncated_and_masked_importance_sampling_through_update_step():
     m = run(off_policy="tis")
     np.testing.assert_allclose(float(m["train/is_weight_mean"]), np.minimum(np.exp(log_w), cap)[mask].mean(),
                                rtol=1e-5)
-    np.testing.assert_allclose(float(m["rollout/logp_diff_max"]), np.abs(log_w[mask]).max(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["update/logp_diff_max"]), np.abs(log_w[mask]).max(), rtol=1e-5)
     m = run(off_policy="mis")
     np.testing.assert_allclose(float(m["train/is_dropped_frac"]), (np.abs(log_w[mask]) > np.log(cap)).mean(),
                                rtol=1e-6)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rljax.data import Example
-from rljax.train.warm_start import constant_answer_baseline, relative_target, stop_reason
+from rljax.warmstart.sft import constant_answer_baseline, relative_target, stop_reason
 
 
 def test_constant_answer_baseline_matches_reference_on_gcd_pairs():
@@ -43,15 +43,16 @@ def test_empty_validation_has_no_baseline():
 
 
 def test_warm_start_validates_on_problems_it_never_trains_on(tmp_path, monkeypatch):
-    """`rljax train`'s warm start (loop.warm_start) trains on the pool minus its validation problems
+    """`rljax train`'s warm start (start.warm_start) trains on the pool minus its validation problems
     and validates on exactly those; auto_curriculum calibrates on the same per-source fronts. A
     pool too small to spare them trains on all of it. Catches: validating on the SFT set (a
     2,000-problem pool read 46% on its own problems against 19.5% held out, issue 24), an
     off-by-`validation_size` split, a split that drops problems from both sides, or one that
     keeps a later copy of a validation question in the SFT set."""
-    from rljax.train import loop
+    from rljax.train import start
+    from rljax.train.run import build_run
     from rljax.train.config import load_config
-    from rljax.train.loop import warm_start_split
+    from rljax.data.splits import warm_start_split
 
     pool = tuple(Example(id=str(i), question=f"{i % 700} + 1 =", answer=str(i % 700 + 1)) for i in range(1000))
     sft, validation = warm_start_split(pool, 200)
@@ -66,14 +67,14 @@ def test_warm_start_validates_on_problems_it_never_trains_on(tmp_path, monkeypat
         seen["sft"], seen["validation"] = examples, validation
         return params
 
-    monkeypatch.setattr(loop, "run_warm_start", capture)
+    monkeypatch.setattr(start, "run_warm_start", capture)
     from rljax.train.config import recipe_path
 
     small = tmp_path / "learn_gcd_small.toml"  # the packaged recipe with 600-problem pools
     small.write_text(recipe_path("learn_gcd").read_text().replace("size = 20000", "size = 600"))
     cfg = load_config(small, [f"output_dir='{tmp_path}'", "warm_start.validation_size=100", "warm_start.steps=5"])
-    run = loop.build_run(cfg, resume=False, log=lambda *_: None)
-    loop.warm_start(run)
+    run = build_run(cfg, resume=False, log=lambda *_: None)
+    start.warm_start(run)
     validation_ids = {e.id for e in seen["validation"].examples}
     from rljax.data.example import question_key
 
@@ -109,7 +110,7 @@ def test_validation_nll_is_the_sft_loss_without_the_update():
     import optax
 
     from rljax.models import ModelConfig, init_params
-    from rljax.train.warm_start import make_nll_eval, make_sft_step, pack_prompt_completion
+    from rljax.warmstart.sft import make_nll_eval, make_sft_step, pack_prompt_completion
 
     cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=8, max_positions=16)

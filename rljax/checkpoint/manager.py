@@ -119,6 +119,7 @@ class Checkpointer:
             raise CheckpointError(f"best_mode={best_mode!r}; choose 'max' or 'min'")
         self.directory = absolute(directory)  # a URI stays whole: os.path would make it a local path
         self.best_metric, self.best_mode = best_metric, best_mode
+        self.processes = processes  # the subset that saves (None: every process)
         policies = [checkpoint_managers.LatestN(n=keep_last)]
         best_fn = None
         if best_metric is not None:

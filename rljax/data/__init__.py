@@ -1,5 +1,6 @@
 """Task data: sources, held-out splits, prompt rendering, the grain pipeline, group filtering,
-task selection, DAPO resampling rounds and replay.
+task selection (`selection`; the level-ordered policies in `curriculum`), DAPO resampling rounds
+and replay.
 
     source = load_task("reasoning_gym", name="chain_sum", size=2000, seed=0)
     train, held_out = heldout_split(source.examples, eval_size=400, seed=0)
@@ -7,6 +8,7 @@ task selection, DAPO resampling rounds and replay.
     it = iter(data.dataset); batch = next(it); state = it.get_state()   # -> checkpoint
 """
 
+from rljax.data import curriculum  # noqa: F401  (registers `schedule`, `auto_curriculum` in POLICIES)
 from rljax.data.example import Example, normalize_question, question_key, verifier_metadata
 from rljax.data.filtering import GroupSelection, accuracy_band, dynamic_sample, informative_groups, refill
 from rljax.data.pipeline import PromptBatch, PromptData, index_batches, prompt_batches, shard_rows

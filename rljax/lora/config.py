@@ -25,7 +25,7 @@ from rljax.models.config import ModelConfig
 @dataclasses.dataclass(frozen=True)
 class Target:
     """One weight LoRA can adapt. `contract`: how many leading (input) axes of one layer's weight
-    the forward contracts (`rljax.models.transformer.project`); `kind`: `linear` (a projection),
+    the forward contracts (`rljax.models.layers.project`); `kind`: `linear` (a projection),
     `embedding` (the input lookup) or `head` (the untied LM head, [V, D] used as h @ W^T)."""
 
     name: str

@@ -1,7 +1,7 @@
 """A frozen weight with its LoRA adapter, as one pytree leaf group the model's forward understands.
 
 `attach` (rljax.lora.adapters) puts a `LoraWeight` where a params tree has a plain weight; the
-model calls it at its three weight uses (`rljax.models.transformer`):
+model calls it at its three weight uses (`rljax.models.layers`, `rljax.models.transformer`):
 
     project(x, w)         x W + s ((drop(x) A) B)            every attention / MLP projection
     embed_tokens(ids)     W[ids] + s (A[ids] B)              the input embedding
@@ -24,7 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rljax.models.transformer import project
+from rljax.models.layers import project
 
 
 @flax.struct.dataclass

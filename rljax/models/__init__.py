@@ -4,11 +4,12 @@ from rljax.models.auxiliary import FrozenModel
 from rljax.models.config import ModelConfig, from_hf_dict, preset, to_hf_dict
 from rljax.models.gguf import is_gguf, load_gguf, read_gguf_config
 from rljax.models.hf_io import load_hf, read_hf_config, save_hf
+from rljax.models.layers import rope_table
 from rljax.models.packaged import PACKAGED_MODELS, resolve_checkpoint
 from rljax.models.scoring import (LOGITS_BUDGET_BYTES, LogprobChunks, auto_chunk_size, fused_logprobs,
                                   init_value_params, logprobs_from_logits, token_logprobs, values)
 from rljax.models.transformer import (cache_slot_axes, default_positions, forward, hidden_states, init_cache,
-                                     init_params, logits_from_hidden, output_embedding, prefill_cache, rope_table,
+                                     init_params, logits_from_hidden, output_embedding, prefill_cache,
                                      to_cache_layout, unstack_layers)
 
 __all__ = [

@@ -5,7 +5,7 @@ way (`logits_from_hidden`'s matmul, softcap, then z / T): the sampler through
 `logprobs_from_logits` on one [B, V] step, the trainer through `fused_logprobs`, which never holds
 [B, T, V]. A PPO ratio therefore starts at 1 up to the rounding of two different forward passes
 (a KV-cached decode step against a full-sequence forward, and a chunked logsumexp). The update
-step reports that gap every step (`rollout/logp_diff_mean|max`, `rollout/ratio_first_min|max`)
+step reports that gap every step (`update/logp_diff_mean|max`, `update/ratio_first_min|max`)
 instead of asserting it away.
 
 Why the two are not bitwise equal, and the bound. Both run the same functions in the same dtypes

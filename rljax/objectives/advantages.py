@@ -15,21 +15,20 @@ The exception is reinforce_pp_baseline: its zero is then whitened with the rest 
 shifts it by -mean / std, as in verl and the paper.
 
 `turn_bt` / `turn_returns_bk` are multi-turn episodes' turn-level credit (`env.credit = "turn"`):
-each loss token's model turn and each turn's discounted return-to-go. An estimator that names
-them in its signature uses them (`takes_turn_returns`: grpo and dr_grpo, see
-`turn_group_advantages`); the update step refuses them for any other estimator.
+each loss token's model turn and each turn's discounted return-to-go. An estimator that uses
+them declares it on its registry entry, `reads=("turn_returns",)` (grpo and dr_grpo, see
+`turn_group_advantages`); `rljax.objectives.check_turn_credit` refuses them for any other
+estimator. Each entry also declares the config fields it reads (`params=`: gae reads gamma and
+lam), which `AlgorithmConfig` checks instead of keeping its own list.
 
 `whiten_advantages` is the batch whitening on its own, for PPO's GAE advantages.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 
-from rljax.errors import ConfigError
 from rljax.objectives.registry import ADVANTAGES
 
 
@@ -77,19 +76,18 @@ def _to_tokens(adv_b, loss_mask_bt):
 # ----------------------------------------------------------------------------- sequence-level
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", reads=("turn_returns",), params=("std_normalize", "eps"))
 def grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, turn_bt=None, turn_returns_bk=None,
          std_normalize=True, eps=1e-6, **_):
     """A_i = (r_i - mean_g r) / (std_g r + eps), std optional (GRPO, DeepSeekMath, Shao et al. 2024).
 
     std is the unbiased group standard deviation; zero-variance groups give A = 0. Given
     `turn_bt` and `turn_returns_bk` (multi-turn episodes, `env.credit = "turn"`), the same
-    normalisation per turn index instead: `turn_group_advantages`.
+    normalisation per turn index instead: `turn_group_advantages`, which reads no per-token
+    reward (`token_rewards_bt` is not folded into turn returns; `check_turn_credit` refuses the
+    configs that would produce one).
     """
     if turn_bt is not None or turn_returns_bk is not None:
-        if token_rewards_bt is not None:
-            raise ConfigError("turn-level credit does not fold a per-token reward (algorithm.kl_in_reward) into its "
-                              "turn returns; set algorithm.kl_in_reward=false (a KL loss) or env.credit='episode'")
         return turn_group_advantages(turn_bt, turn_returns_bk, group_ids_b, loss_mask_bt,
                                      std_normalize=std_normalize, eps=eps)
     r_b = _seq_reward(rewards_b, token_rewards_bt, loss_mask_bt)
@@ -100,7 +98,7 @@ def grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, turn_bt
     return _to_tokens(jnp.where(flat_b, 0.0, adv_b), loss_mask_bt)
 
 
-@ADVANTAGES.register("dr_grpo")
+@ADVANTAGES.register("dr_grpo", reads=("turn_returns",))
 def dr_grpo(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, turn_bt=None, turn_returns_bk=None,
             **_):
     """A_i = r_i - mean_g r: GRPO without the std division (Dr. GRPO, *Understanding R1-Zero-like
@@ -201,12 +199,6 @@ def turn_group_advantages(turn_bt, turn_returns_bk, group_ids_b, loss_mask_bt, *
     return adv_bt * loss_mask_bt.astype(jnp.float32)
 
 
-def takes_turn_returns(advantage: str) -> bool:
-    """Whether the estimator registered as `advantage` uses turn-level credit: it names
-    `turn_returns_bk` in its signature (read from the function, so it cannot drift from it)."""
-    return "turn_returns_bk" in inspect.signature(ADVANTAGES.get(advantage)).parameters
-
-
 # ----------------------------------------------------------------------------- token-level
 
 
@@ -282,7 +274,7 @@ def scale_negative_advantages(adv_bt, scale: float):
     return jnp.where(adv_bt < 0, scale * adv_bt, adv_bt)
 
 
-@ADVANTAGES.register("reinforce_pp")
+@ADVANTAGES.register("reinforce_pp", params=("gamma", "eps"))
 def reinforce_pp(rewards_b, group_ids_b, loss_mask_bt, *, token_rewards_bt=None, gamma=1.0,
                  eps=1e-6, **_):
     """REINFORCE++ (Hu, 2025): discounted return-to-go of dense rewards (the sequence reward at the
@@ -341,7 +333,7 @@ def gae_from_rewards(rewards_bt, values_bt, mask_bt, gamma: float = 1.0, lam: fl
     return adv_tb.T
 
 
-@ADVANTAGES.register("gae", needs=("values",))
+@ADVANTAGES.register("gae", needs=("values",), params=("gamma", "lam"))
 def gae(rewards_b, group_ids_b, loss_mask_bt, *, values_bt=None, token_rewards_bt=None, gamma=1.0,
         lam=1.0, **_):
     """GAE(gamma, lambda) with a value model (PPO, Schulman et al. 2017; GAE 2016); the sequence

@@ -62,7 +62,7 @@ def seq_mean_token_sum(loss_bt, mask_bt, norm_length=None):
     return jnp.sum(_masked_sum_b(loss_bt, mask_bt)), _nonempty_rows(mask_bt)
 
 
-@AGGREGATIONS.register("seq-mean-token-sum-norm")
+@AGGREGATIONS.register("seq-mean-token-sum-norm", params=("norm_length",))
 def seq_mean_token_sum_norm(loss_bt, mask_bt, norm_length=None):
     """sum l*m / (B' * L) over the B' non-empty rows with a constant L (default: the padded length
     T) (Dr. GRPO, *Understanding R1-Zero-like training*, Liu et al. 2025)."""

@@ -4,7 +4,11 @@
     AlgorithmConfig(algorithm="grpo", aggregation="token-mean", kl_coef=0.0)   # override pieces
 
 Fields left at None take the preset's value; every piece is looked up in its registry, so an
-unknown name fails with one line listing the valid choices.
+unknown name fails with one line listing the valid choices. What the pieces read is declared on
+their registry entries (`rljax.objectives.registry`), and the checks here read those
+declarations: gamma or lam != 1 on an estimator that does not declare it is a one-line error.
+`check_turn_credit` is the one check of multi-turn turn-level credit (`env.credit = "turn"`),
+called by the config loader and by the update.
 """
 
 from __future__ import annotations
@@ -17,15 +21,12 @@ from rljax.errors import ConfigError
 from rljax.objectives import distill as _distill  # noqa: F401  (registers the distillation objectives)
 from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, DISTILLATION, KL_ESTIMATORS, OFF_POLICY,
                                        POLICY_LOSSES, ROLLOUT_NEEDS)
+from rljax.objectives.shaping import RewardShaping
 
 _BASE: dict[str, Any] = dict(advantage="grpo", policy_loss="ppo_clip", aggregation="seq-mean-token-mean",
                              clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
                              kl_in_reward=False, std_normalize=True, whiten_advantages=False,
                              value_coef=0.0, distill="none", reward_weight=1.0)
-
-# The token-level estimators and the discount parameters each reads; gamma or lam != 1 on any
-# other estimator is a config error rather than a silently ignored setting.
-_DISCOUNT_PARAMS: dict[str, tuple[str, ...]] = {"gae": ("gamma", "lam"), "reinforce_pp": ("gamma",)}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (2024): group-normalised advantage, sequence-then-token mean, k3 KL loss.
@@ -157,11 +158,14 @@ class AlgorithmConfig:
         need(0 <= self.negative_advantage_scale <= 1,
              f"negative_advantage_scale={self.negative_advantage_scale} must lie in [0, 1] (1: symmetric)")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must lie in [0, 1]")
-        need(self.gamma == 1.0 or "gamma" in _DISCOUNT_PARAMS.get(self.advantage, ()),
+        # gamma and lam != 1 on an estimator whose entry does not declare them would be silently ignored
+        reads = ADVANTAGES.params(self.advantage)
+        need(self.gamma == 1.0 or "gamma" in reads,
              f"gamma={self.gamma} has no effect on advantage={self.advantage!r} (a sequence-level "
-             f"estimator); discounting applies to {', '.join(sorted(_DISCOUNT_PARAMS))}: set gamma=1")
-        need(self.lam == 1.0 or "lam" in _DISCOUNT_PARAMS.get(self.advantage, ()),
-             f"lam={self.lam} has no effect on advantage={self.advantage!r}; only gae uses lambda: set lam=1")
+             f"estimator); discounting applies to {', '.join(ADVANTAGES.declaring('gamma'))}: set gamma=1")
+        need(self.lam == 1.0 or "lam" in reads,
+             f"lam={self.lam} has no effect on advantage={self.advantage!r}; only "
+             f"{', '.join(ADVANTAGES.declaring('lam'))} uses lambda: set lam=1")
         need(self.norm_length is None or self.norm_length >= 1, f"norm_length={self.norm_length} must be >= 1")
         need(self.off_policy_level in ("token", "sequence"),
              f"off_policy_level={self.off_policy_level!r}; choose one of token, sequence")
@@ -172,8 +176,10 @@ class AlgorithmConfig:
         need(self.distill != "none" or self.reward_weight == 1.0,
              f"reward_weight={self.reward_weight} weighs the RL advantages against a distillation term; with "
              "distill='none' set reward_weight=1 (or name algorithm.distill)")
-        need(self.distill_discount == 0.0 or self.distill == "reverse_kl",
-             f"distill_discount={self.distill_discount} applies to distill='reverse_kl' only; set it to 0")
+        need(self.distill_discount == 0.0
+             or (self.distill != "none" and "distill_discount" in DISTILLATION.params(self.distill)),
+             f"distill_discount={self.distill_discount} applies to distill="
+             f"{', '.join(map(repr, DISTILLATION.declaring('distill_discount')))} only; set it to 0")
         need("values" not in ADVANTAGES.needs(self.advantage) or self.value_coef > 0,
              f"advantage={self.advantage!r} needs a value model: set value_coef > 0")
 
@@ -208,3 +214,30 @@ class AlgorithmConfig:
             raise ConfigError(
                 f"unknown algorithm config key(s) {unknown}; valid keys: {', '.join(sorted(fields))}")
         return cls(**d)
+
+
+def check_turn_credit(algorithm: AlgorithmConfig, shaping: RewardShaping, *, token_rewards: bool = False) -> None:
+    """Refuses, in one line naming the fix, what turn-level credit (`env.credit = "turn"`) cannot use.
+
+    Turn credit replaces each row's reward by its turns' returns-to-go G_{i,k} (formed in the
+    rollout from the env's per-turn rewards, `rljax.envs.discounted_turn_returns`), which only an
+    estimator that declares `reads=("turn_returns",)` on its registry entry uses
+    (`turn_group_advantages`). Anything that acts on the row's one reward or adds a per-token one
+    would be silently dropped: the KL folded into the reward (`algorithm.kl_in_reward`), a PRM's
+    per-step rewards (`token_rewards`: reward.model.credit = "token", known to the update only)
+    and the [shaping] length terms. The one check of turn credit: the config loader calls it
+    at load, before any warm start; `prepare_batch` for a batch that carries turn returns.
+    """
+    if "turn_returns" not in ADVANTAGES.reads(algorithm.advantage):
+        raise ConfigError(f"env.credit='turn' needs an advantage that takes turn returns "
+                          f"({', '.join(ADVANTAGES.reading('turn_returns'))}), not algorithm.advantage="
+                          f"{algorithm.advantage!r}; change the algorithm or set env.credit='episode'")
+    if algorithm.kl_in_reward:
+        raise ConfigError("turn-level credit does not fold a per-token reward (algorithm.kl_in_reward) into its "
+                          "turn returns; set algorithm.kl_in_reward=false (a KL loss) or env.credit='episode'")
+    if token_rewards:
+        raise ConfigError("turn-level credit does not fold a per-token reward (reward.model.credit='token') into its "
+                          "turn returns; set reward.model.credit='outcome' or env.credit='episode'")
+    if shaping.active:
+        raise ConfigError("env.credit='turn' reads per-turn returns, which the [shaping] length terms do not reach; "
+                          "remove [shaping] or set env.credit='episode'")

@@ -62,5 +62,7 @@ def gjsd_tokens(student_h_btd, student_w_vd, teacher_h_btd, teacher_w_vd, *, bet
     return jnp.concatenate([jnp.zeros_like(jsd[:, :1]), jsd], axis=1)
 
 
-DISTILLATION.register("reverse_kl", needs=("teacher_logp",))(DistillObjective("advantage", reverse_kl_advantages))
-DISTILLATION.register("gjsd", needs=("teacher_logp", "teacher_hidden"))(DistillObjective("loss", gjsd_tokens))
+DISTILLATION.register("reverse_kl", needs=("teacher_logp",), params=("distill_discount",))(
+    DistillObjective("advantage", reverse_kl_advantages))
+DISTILLATION.register("gjsd", needs=("teacher_logp", "teacher_hidden"), params=("distill_beta",))(
+    DistillObjective("loss", gjsd_tokens))

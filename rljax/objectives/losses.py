@@ -43,7 +43,7 @@ def _stats(ratio_bt, clip_low_bt, clip_high_bt):
     return {"ratio": sg(ratio_bt), "clip_low": clip_low_bt.astype(f32), "clip_high": clip_high_bt.astype(f32)}
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@POLICY_LOSSES.register("ppo_clip", params=("clip_eps_low", "clip_eps_high", "dual_clip"))
 def ppo_clip(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=0.2, eps_high=0.2, dual_clip=None, **_):
     """PPO clipped surrogate (Schulman et al., 2017) with an asymmetric range (DAPO's clip-higher, 2025):
 
@@ -72,7 +72,7 @@ def policy_gradient(logp_bt, old_logp_bt, adv_bt, mask_bt, **_):
     return -adv_bt * ratio, _stats(ratio, never, never)
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", params=("clip_eps_low", "clip_eps_high"))
 def gspo(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=3e-4, eps_high=4e-4, **_):
     """GSPO (Zheng et al., 2025): a sequence-level, length-normalised ratio
 
@@ -95,7 +95,7 @@ def gspo(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=3e-4, eps_high=4e-4, 
     return loss, _stats(s_bt, clip_low, clip_high)
 
 
-@POLICY_LOSSES.register("cispo")
+@POLICY_LOSSES.register("cispo", params=("clip_eps_low", "clip_eps_high"))
 def cispo(logp_bt, old_logp_bt, adv_bt, mask_bt, *, eps_low=1.0, eps_high=0.28, **_):
     """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight
 
@@ -163,7 +163,7 @@ def no_correction(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="to
     return jnp.ones_like(old_logp_bt), mask_bt
 
 
-@OFF_POLICY.register("tis")
+@OFF_POLICY.register("tis", params=("off_policy_cap", "off_policy_level"))
 def truncated_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
     """Truncated importance sampling: w = min(pi_old / mu, cap), per token or per sequence
     (w = prod_t ratio_t) (Ionides, 2008; as used for sampler/trainer mismatch by verl and TRL)."""
@@ -172,7 +172,7 @@ def truncated_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="tok
     return w, mask_bt
 
 
-@OFF_POLICY.register("mis")
+@OFF_POLICY.register("mis", params=("off_policy_cap", "off_policy_level"))
 def masked_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
     """Masked importance sampling: drop tokens (or whole sequences) whose ratio pi_old / mu lies
     outside [1/cap, cap]; the rest keep weight 1."""
@@ -181,7 +181,7 @@ def masked_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"
     return jnp.ones_like(old_logp_bt), mask_bt * keep.astype(mask_bt.dtype)
 
 
-@OFF_POLICY.register("decoupled")
+@OFF_POLICY.register("decoupled", params=("off_policy_cap", "off_policy_level"))
 def decoupled_ppo(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
     """AReaL's decoupled PPO (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
     Learning System for Language Reasoning"), as the weight of the clipped surrogate:

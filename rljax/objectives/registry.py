@@ -2,11 +2,21 @@
 
 Each registry knows its own valid names, so config validation and error messages are driven
 from the registry and cannot drift from what is implemented. An entry also declares what it
-needs from the rollout beyond tokens, log-probs and rewards (`ROLLOUT_NEEDS`; only advantage
-estimators declare needs, since they are what receives the optional fields): ReMax's estimator
-needs a greedy baseline, GAE needs a value model. `AlgorithmConfig.needs` collects them, and the
-rollout and update step ask it instead of special-casing an algorithm. A distillation objective
-(`DISTILLATION`) declares what it needs of the teacher the same way.
+reads, so what an algorithm needs is read off its entries rather than kept in side lists:
+
+- `needs`: data the rollout or the update must produce for it (`ROLLOUT_NEEDS`): ReMax's
+  estimator needs a greedy baseline, GAE needs a value model, a distillation objective
+  (`DISTILLATION`) the teacher's log-probs. `AlgorithmConfig.needs` collects them (with the
+  coefficients'), and the rollout and update step ask it instead of special-casing an algorithm.
+- `reads`: optional rollout fields the entry consumes when a rollout attaches them
+  (`ROLLOUT_READS`): grpo and dr_grpo read `turn_returns` (multi-turn turn-level credit); the
+  update refuses such a field for an entry that does not read it (`check_turn_credit`).
+- `params`: the `AlgorithmConfig` fields the entry reads (gae: gamma and lam). A neutral-valued
+  field an entry does not read (gamma or lam != 1 on a sequence-level estimator) is a config
+  error rather than a silently ignored setting.
+
+Only advantage estimators and distillation objectives declare needs and reads (they are what
+receives the rollout's optional fields); every registry's entries declare params.
 """
 
 from __future__ import annotations
@@ -22,6 +32,10 @@ F = TypeVar("F", bound=Callable)
 # final hidden states, for a loss over its whole next-token distribution.
 ROLLOUT_NEEDS = ("greedy_baseline", "values", "reference_logp", "teacher_logp", "teacher_hidden")
 
+# Optional rollout fields an entry may read when present (the `rljax.update.RolloutBatch` field
+# names). turn_returns: multi-turn episodes' per-turn returns (`env.credit = "turn"`).
+ROLLOUT_READS = ("turn_returns",)
+
 
 class Registry(Generic[F]):
     """A named table of pure functions of one kind (advantage estimators, policy losses, ...)."""
@@ -31,23 +45,31 @@ class Registry(Generic[F]):
         self.accepts_needs = accepts_needs
         self._fns: dict[str, F] = {}
         self._needs: dict[str, frozenset[str]] = {}
+        self._reads: dict[str, frozenset[str]] = {}
+        self._params: dict[str, frozenset[str]] = {}
 
-    def register(self, name: str, *, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
-        """Decorator: `@ADVANTAGES.register("remax", needs=("greedy_baseline",))` adds the
-        function under `name`, with what it needs from the rollout (names in `ROLLOUT_NEEDS`)."""
-        if needs and not self.accepts_needs:
-            raise ValueError(f"a {self.kind} cannot declare rollout needs (only advantage estimators and "
+    def register(self, name: str, *, needs: tuple[str, ...] = (), reads: tuple[str, ...] = (),
+                 params: tuple[str, ...] = ()) -> Callable[[F], F]:
+        """Decorator: `@ADVANTAGES.register("gae", needs=("values",), params=("gamma", "lam"))`
+        adds the function under `name`, with what it needs produced (names in `ROLLOUT_NEEDS`),
+        the optional rollout fields it reads (`ROLLOUT_READS`) and the `AlgorithmConfig` fields
+        it reads."""
+        if (needs or reads) and not self.accepts_needs:
+            raise ValueError(f"a {self.kind} cannot declare rollout needs or reads (only advantage estimators and "
                              "distillation objectives receive the rollout's optional fields)")
-        unknown = set(needs) - set(ROLLOUT_NEEDS)
-        if unknown:
-            raise ValueError(f"{self.kind} {name!r} needs unknown rollout data {sorted(unknown)}; "
-                             f"known: {', '.join(ROLLOUT_NEEDS)}")
+        for declared, known, what in ((needs, ROLLOUT_NEEDS, "needs"), (reads, ROLLOUT_READS, "reads")):
+            unknown = set(declared) - set(known)
+            if unknown:
+                raise ValueError(f"{self.kind} {name!r} {what} unknown rollout data {sorted(unknown)}; "
+                                 f"known: {', '.join(known)}")
 
         def add(fn: F) -> F:
             if name in self._fns:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             self._fns[name] = fn
             self._needs[name] = frozenset(needs)
+            self._reads[name] = frozenset(reads)
+            self._params[name] = frozenset(params)
             return fn
         return add
 
@@ -55,6 +77,24 @@ class Registry(Generic[F]):
         """What the entry `name` needs from the rollout (empty for most)."""
         self.get(name)
         return self._needs[name]
+
+    def reads(self, name: str) -> frozenset[str]:
+        """The optional rollout fields the entry `name` reads when present (empty for most)."""
+        self.get(name)
+        return self._reads[name]
+
+    def params(self, name: str) -> frozenset[str]:
+        """The `AlgorithmConfig` fields the entry `name` reads."""
+        self.get(name)
+        return self._params[name]
+
+    def reading(self, field: str) -> tuple[str, ...]:
+        """The entries that read the rollout field `field`, sorted (for error messages)."""
+        return tuple(n for n in self.names() if field in self._reads[n])
+
+    def declaring(self, param: str) -> tuple[str, ...]:
+        """The entries that read the config field `param`, sorted (for error messages)."""
+        return tuple(n for n in self.names() if param in self._params[n])
 
     def get(self, name: str) -> F:
         """The function registered as `name`; a one-line ConfigError listing valid names otherwise."""

@@ -22,22 +22,25 @@ axis changes the state, and its bytes are computed from shapes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 from collections.abc import Iterator
 
+from rljax.models.setup import build_tokenizer, policy_config
 from rljax.errors import ConfigError
 from rljax.models import ModelConfig
 from rljax.plan.accelerators import format_gib
 from rljax.plan.memory import MemoryPlan, plan_memory, prompt_width, state_memory
 from rljax.sharding import MeshConfig
-from rljax.train import setup
-from rljax.train.config import TrainConfig
+
+RunConfig = Any  # a `rljax.train.config.TrainConfig`: read here, never imported (plan sits below train)
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     setting: str  # as `key=value` overrides, e.g. "update.num_microbatches=16"
-    cfg: TrainConfig
+    cfg: RunConfig
     update_only: bool  # leaves the state and the sampler program as they are
 
 
@@ -73,18 +76,18 @@ def _gib(n: int) -> str:
     return format_gib(n)
 
 
-def _with(cfg: TrainConfig, section: str, **changes) -> TrainConfig:
+def _with(cfg: RunConfig, section: str, **changes) -> RunConfig:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
 
 
-def _mesh_sizes(cfg: TrainConfig) -> tuple[int, int, int]:
+def _mesh_sizes(cfg: RunConfig) -> tuple[int, int, int]:
     import jax
 
     n = cfg.mesh.devices or len(jax.devices())
     return MeshConfig(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor).resolve(n)
 
 
-def candidates(cfg: TrainConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
+def candidates(cfg: RunConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
     """The changes tried, in order (see the module docstring); the last combines them."""
     u = cfg.update
     data, fsdp, tensor = _mesh_sizes(cfg)
@@ -118,13 +121,13 @@ def candidates(cfg: TrainConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
     yield Candidate(setting, combined, data == 1)
 
 
-def advise(cfg: TrainConfig, limit_bytes: int, device: str, *, model_cfg: ModelConfig | None = None,
+def advise(cfg: RunConfig, limit_bytes: int, device: str, *, model_cfg: ModelConfig | None = None,
            tokenizer=None, plan: MemoryPlan | None = None) -> Advice:
     """Checks `cfg`'s plan against `limit_bytes` per device; when it does not fit, re-plans with
     each candidate change and names the first that fits (or the smallest)."""
     if model_cfg is None:
-        tokenizer = tokenizer or setup.build_tokenizer(cfg.model)
-        model_cfg = setup.policy_config(cfg.model, tokenizer)
+        tokenizer = tokenizer or build_tokenizer(cfg.model)
+        model_cfg = policy_config(cfg.model, tokenizer)
     state = state_memory(cfg, model_cfg, tokenizer=tokenizer) if plan is None else plan.state
     if state.total_bytes > limit_bytes:  # nothing compiled: only a larger FSDP axis shrinks the state
         best = None
@@ -157,7 +160,7 @@ def advise(cfg: TrainConfig, limit_bytes: int, device: str, *, model_cfg: ModelC
                   *(best if best and best[1] < plan.peak_bytes else (None, None)))
 
 
-def check_fits(cfg: TrainConfig, limit_bytes: int, device: str, *, model_cfg: ModelConfig | None = None,
+def check_fits(cfg: RunConfig, limit_bytes: int, device: str, *, model_cfg: ModelConfig | None = None,
                tokenizer=None, plan: MemoryPlan | None = None) -> Advice:
     """`advise`, raising `ConfigError` with its one line when the plan does not fit."""
     advice = advise(cfg, limit_bytes, device, model_cfg=model_cfg, tokenizer=tokenizer, plan=plan)

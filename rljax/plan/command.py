@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 
+from rljax.models.setup import build_tokenizer, policy_config
 from rljax.errors import ConfigError
 
 DEFAULT_DEVICES = 8
@@ -89,7 +90,6 @@ def _plan(args: argparse.Namespace) -> int:
     from rljax.plan.advice import check_fits
     from rljax.plan.memory import plan_memory, state_memory
     from rljax.plan.shapes import model_config
-    from rljax.train import setup
     from rljax.train.config import load_config
 
     n = device_count(args.devices, args.accelerator)
@@ -104,8 +104,8 @@ def _plan(args: argparse.Namespace) -> int:
         if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
             raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r} is not a directory here; pass --model with a "
                               "named shape (e.g. --model Qwen2.5-0.5B) or a HF directory")
-        tokenizer = setup.build_tokenizer(cfg.model)
-        model_cfg = setup.policy_config(cfg.model, tokenizer)
+        tokenizer = build_tokenizer(cfg.model)
+        model_cfg = policy_config(cfg.model, tokenizer)
     named = args.accelerator or cfg.plan.accelerator
     limit = device_memory(named, cfg.plan.device_memory_gib) if (named or cfg.plan.device_memory_gib) else None
     n_params = sum(x.size for x in jax.tree.leaves(_abstract_params(model_cfg)))

@@ -5,7 +5,7 @@
     update   = jit(update, donate state).lower(sharded, batch, key).compile().memory_analysis()
     sampler  = jit(rollout).lower(params, prompts, ...).compile().memory_analysis()
 
-Both programs are the ones the run compiles (`rljax.train.iteration`), at the recipe's shapes:
+Both programs are the ones the run compiles (`rljax.stages.iteration`), at the recipe's shapes:
 the sampler takes `num_prompts` prompt rows of the widest prompt bucket and makes
 prompts x `num_samples` rows of `max_new_tokens` (its KV cache and decode buffers are its
 temporaries); the update takes that rollout batch. The bytes of a program are those of one
@@ -23,7 +23,7 @@ Peak per device:
                    params, which is added)
 
 When the sampler shares the trainer's layout (`mesh.sampler = "shared"`) the run compiles the two
-stages as ONE program (`rljax.train.iteration.make_iteration`); the plan compiles that program
+stages as ONE program (`rljax.stages.iteration.make_iteration`); the plan compiles that program
 too, and its peak (arguments + outputs - aliased + temporaries, the whole state being an
 argument) is the plan's peak: the compiler decides how the stages share buffers and where the
 rollout batch lives between them, and the stage programs cannot say. `one_program=False` skips
@@ -45,18 +45,19 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rljax.models import ModelConfig, init_params
-from rljax.models.auxiliary import FrozenModel
-from rljax.models.hf_io import head_shapes
-from rljax.rewards.learned import LearnedReward
+from rljax.models.setup import build_tokenizer, policy_config
+from rljax.rewards.config import build_reward
+from rljax.sharding.placement import build_layouts
+from rljax.models import ModelConfig
 from rljax.rewards import as_callback
 from rljax.sharding import Layout, abstract_like
 from rljax.sharding.rules import batch_axes
-from rljax.train import setup
-from rljax.train.config import TrainConfig
-from rljax.train.iteration import make_iteration
-from rljax.train.rollout import rollout
-from rljax.update import TrainState, init_train_state, update
+from rljax.stages.iteration import make_iteration
+from rljax.stages.rollout import rollout
+from rljax.update.abstract import abstract_train_state
+from rljax.update import TrainState, update
+
+RunConfig = Any  # a `rljax.train.config.TrainConfig`: read here, never imported (plan sits below train)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,33 +151,6 @@ class MemoryPlan:
 # ----------------------------------------------------------------------------- abstract inputs
 
 
-def abstract_train_state(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainState:
-    """The run's fresh train state as ShapeDtypeStructs (`init_train_state` traced, not run). With
-    `lora.adapter` set, the adapter's files are read for its rank and targets."""
-    lora, adapters = setup.build_lora(cfg.lora, model_cfg)
-    teacher_cfg = setup.teacher_config(cfg.teacher, model_cfg) if cfg.algorithm.needs.teacher_logp else None
-    rm_cfg = setup.reward_model_config(cfg.reward.model, model_cfg) if cfg.reward.model.enabled else None
-    judge = (setup.judge_spec(cfg.reward.model, setup.build_tokenizer(cfg.model))
-             if rm_cfg is not None and cfg.reward.model.kind == "judge" else None)
-
-    def init(adapters):
-        params = init_params(model_cfg, jax.random.key(0))
-        teacher = None if teacher_cfg is None else FrozenModel(teacher_cfg, init_params(teacher_cfg, jax.random.key(1)))
-        reward_model = None
-        if rm_cfg is not None:
-            bias = cfg.reward.model.kind == "prm" and setup.has_head_bias(cfg.reward.model.checkpoint)
-            rm_params = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), head_shapes(*rm_cfg, bias))
-            rm = cfg.reward.model
-            reward_model = LearnedReward.create(FrozenModel(rm_cfg[0], rm_params), weight=rm.weight,
-                                                normalize=rm.normalize, kind=rm.kind, step_token=0,
-                                                step_aggregation=rm.step_aggregation, step_discount=rm.step_discount,
-                                                credit=rm.credit, judge=judge)
-        return init_train_state(model_cfg, params, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                                shaping=cfg.shaping, lora=lora, adapters=adapters, teacher=teacher,
-                                reward_model=reward_model)
-    return jax.eval_shape(init, adapters)
-
-
 def device_bytes(tree) -> int:
     """Bytes one device holds of `tree`'s ShapeDtypeStructs: each leaf's shard (or all of it)."""
     total = 0
@@ -186,14 +160,7 @@ def device_bytes(tree) -> int:
     return total
 
 
-def num_prompts(cfg: TrainConfig) -> int:
-    """Prompts sampled per iteration (over-sampled for dynamic sampling), as `build_run` has it."""
-    if cfg.rl.dynamic_sampling:
-        return max(1, round(cfg.rl.prompts_per_iteration * cfg.rl.oversample))
-    return cfg.rl.prompts_per_iteration
-
-
-def prompt_width(cfg: TrainConfig) -> int:
+def prompt_width(cfg: RunConfig) -> int:
     """The widest prompt bucket: the worst case the pipeline pads a batch to."""
     return max(cfg.data.prompt_buckets or (cfg.data.max_prompt_tokens,))
 
@@ -202,7 +169,7 @@ def _rows_sharding(layout: Layout | None, rows: int):
     return None if layout is None else NamedSharding(layout.mesh, P(batch_axes(layout.mesh, rows)))
 
 
-def _controls(cfg: TrainConfig, model_cfg: ModelConfig, tokenizer):
+def _controls(cfg: RunConfig, model_cfg: ModelConfig, tokenizer):
     if tokenizer is not None:
         return cfg.sampling.with_tokenizer(tokenizer)
     s = cfg.sampling
@@ -217,7 +184,7 @@ def _controls(cfg: TrainConfig, model_cfg: ModelConfig, tokenizer):
 class _Pieces:
     """The abstract inputs and programs of one run, as the loop builds them."""
 
-    cfg: TrainConfig
+    cfg: RunConfig
     model_cfg: ModelConfig
     trainer: Layout | None
     sampler: Layout | None
@@ -228,18 +195,18 @@ class _Pieces:
     callback: Any
 
     @classmethod
-    def build(cls, cfg: TrainConfig, model_cfg: ModelConfig | None, tokenizer) -> _Pieces:
+    def build(cls, cfg: RunConfig, model_cfg: ModelConfig | None, tokenizer) -> _Pieces:
         if model_cfg is None:
-            tokenizer = tokenizer or setup.build_tokenizer(cfg.model)
-            model_cfg = setup.policy_config(cfg.model, tokenizer)
-        trainer, sampler = setup.build_layouts(cfg.mesh)
+            tokenizer = tokenizer or build_tokenizer(cfg.model)
+            model_cfg = policy_config(cfg.model, tokenizer)
+        trainer, sampler = build_layouts(cfg.mesh)
         state = abstract_state_in(cfg, model_cfg, trainer)
         params = state.params
         if state.lora is not None:  # the sampler's params: the base with the adapters merged
             params = jax.eval_shape(TrainState.sampler_params, state)
             params = params if trainer is None else abstract_like(params, trainer.params(params))
         params = params if sampler is None else abstract_like(params, sampler.params(params))
-        callback = as_callback(setup.build_reward(cfg.reward), lambda ids: [""] * len(ids), ())  # never called
+        callback = as_callback(build_reward(cfg.reward), lambda ids: [""] * len(ids), ())  # never called
         return cls(cfg, model_cfg, trainer, sampler, state, params, abstract_prompts(cfg, sampler or trainer),
                    _controls(cfg, model_cfg, tokenizer), callback)
 
@@ -305,20 +272,20 @@ class _Pieces:
         return ProgramMemory.compile(iteration, self.state, *self.prompts, _key(self.trainer))
 
 
-def state_memory(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, tokenizer=None) -> StateMemory:
+def state_memory(cfg: RunConfig, model_cfg: ModelConfig | None = None, *, tokenizer=None) -> StateMemory:
     """The train state's bytes per device on `cfg`'s mesh, without compiling anything."""
     return _Pieces.build(cfg, model_cfg, tokenizer).state_memory()
 
 
-def update_memory(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, tokenizer=None) -> ProgramMemory:
+def update_memory(cfg: RunConfig, model_cfg: ModelConfig | None = None, *, tokenizer=None) -> ProgramMemory:
     """The compiled update program's memory per device alone."""
     return _Pieces.build(cfg, model_cfg, tokenizer).update_memory()
 
 
-def plan_memory(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, tokenizer=None,
+def plan_memory(cfg: RunConfig, model_cfg: ModelConfig | None = None, *, tokenizer=None,
                 one_program: bool = True, sampler: ProgramMemory | None = None) -> MemoryPlan:
     """The per-device memory of `cfg`'s run on its configured devices (`cfg.mesh`), with the
-    policy `model_cfg` (default: the recipe's, `setup.policy_config`). Abstract inputs only:
+    policy `model_cfg` (default: the recipe's, `policy_config`). Abstract inputs only:
     nothing is allocated on any device. Compiles the sampler and the update programs, and the
     one-program iteration when the sampler shares the trainer's layout and `one_program`.
     `sampler`: a sampler program's memory to reuse (re-planning a change that leaves it alone)."""
@@ -332,15 +299,15 @@ def _shardings(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def abstract_state_in(cfg: TrainConfig, model_cfg: ModelConfig, layout: Layout | None) -> TrainState:
+def abstract_state_in(cfg: RunConfig, model_cfg: ModelConfig, layout: Layout | None) -> TrainState:
     """The abstract train state placed in `layout` (the trainer's), as the run places the real one."""
     state = abstract_train_state(cfg, model_cfg)
     return state if layout is None else abstract_like(state, layout.tree(state))
 
 
-def abstract_prompts(cfg: TrainConfig, layout: Layout | None) -> tuple[Any, Any, Any]:
+def abstract_prompts(cfg: RunConfig, layout: Layout | None) -> tuple[Any, Any, Any]:
     """(tokens, mask, example index) of one iteration's prompts, rows over the batch axes."""
-    p, w = num_prompts(cfg), prompt_width(cfg)
+    p, w = cfg.rl.num_prompts, prompt_width(cfg)
     sh = _rows_sharding(layout, p)
     return (jax.ShapeDtypeStruct((p, w), jax.numpy.int32, sharding=sh),
             jax.ShapeDtypeStruct((p, w), jax.numpy.bool_, sharding=sh),

@@ -1,7 +1,7 @@
 """A generative judge's two traceable halves: the judge's input rows, built on device from the
 rollout's prompt and completion tokens and a tokenised template, and its verdict, parsed from the
 tokens it decodes (LLM-as-a-judge, Zheng et al., 2023; verl's generative reward models). The
-decode between them is the sampler's (`rljax.update.batch` runs it inside the update).
+decode between them is the sampler's (`rljax.update.advantages` runs it inside the update).
 
     template "Q: {prompt}\\nA: {completion}\\nCorrect? "  ->  prefix, middle, suffix token ids
     row = prefix + prompt (its real tokens) + middle + completion (real, EOS dropped) + suffix

@@ -47,11 +47,31 @@ def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
+# Libraries the verifiers import inside their functions (to keep `import rljax.rewards` light): a
+# worker imports them before it reports ready, so no task's time limit pays for them. Left to the
+# first `MathAnswer` call in a worker, math-verify's import (0.24 s of CPU, sympy included) took
+# 1.2-2.5 s of wall time at load 6-7 on 2 cores, and that call timed out at a 1.5 s limit: in every
+# new or respawned worker, an answer could score 0 with a "timeout" flag because the worker was new.
+LAZY_DEPENDENCIES = ("math_verify",)
+
+
+def _import_lazy_dependencies() -> None:
+    import importlib
+
+    for name in LAZY_DEPENDENCIES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional verifier's library: its task reports the error
+            pass
+
+
 def _worker_main(conn: mp_connection.Connection) -> None:
     """Worker loop: announce readiness, then run (fn, args) messages until told to stop."""
     import signal
 
     import rljax.rewards  # noqa: F401  # import the verifiers once, before the first deadline starts
+
+    _import_lazy_dependencies()
 
     # Ctrl-C (or a notebook's Interrupt, sent to the whole process group) is for the trainer; an
     # idle worker that died of it would break the pool for the rest of the session.

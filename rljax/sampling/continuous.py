@@ -17,6 +17,9 @@ to rows that have already finished. Here the batch is a set of S slots:
         decode     one forward step over all S slots; each running slot draws its next token
                    and writes it, with its log-probs, into its row of the output buffers
 
+The pool, the layout (`SlotLayout`) and the token-drawing halves of admit and decode are shared
+with the paged layout and live in `rljax.sampling.slots`; this module owns the slot caches.
+
 Why this shape. Admission costs a copy of P prompt slots per admitted row and no forward pass:
 the prompt's forward ran once in the pool, however many samples and slots use it (the group
 sharing the static sampler does by broadcasting its prefill). Copying rather than pointing at the
@@ -62,19 +65,9 @@ import jax.numpy as jnp
 from rljax.errors import ConfigError
 from rljax.models import ModelConfig, cache_slot_axes, init_cache, rope_table, unstack_layers
 from rljax.sampling.controls import SampleControls, StaticControls
-from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, bucket_length, draw,
-                                   prompt_forward, row_keys, step_forward, stop_flags)
-
-
-@flax.struct.dataclass
-class PromptPool:
-    """Prefilled prompts: prompt q lives in entry q % G (G = all prompts, or a ring of 2 batches)."""
-
-    layers: Any  # per layer {"k": [G, K, H, P], "v": [G, K, P, H]}
-    pos_gp: jax.Array  # key positions of the prompt slots (-1 on padding)
-    logits_gv: jax.Array  # logits after the prompt's last real token
-    next_pos_g: jax.Array  # the first completion token's position (the prompt's real length)
-    prefilled: jax.Array  # prompts prefilled so far
+from rljax.sampling.decode import SampleResult, bucket_length, row_keys, step_forward
+from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_slots, prefill_into_pool,
+                                  record_step, slot_result)
 
 
 @flax.struct.dataclass
@@ -106,22 +99,7 @@ DRAIN_FRACTION = 4
 DRAIN_MIN_SLOTS = 16
 
 
-@flax.struct.dataclass
-class Layout:
-    """The static sizes of one continuous run (a jit static argument)."""
-
-    slots: int = flax.struct.field(pytree_node=False)
-    refill: int = flax.struct.field(pytree_node=False)
-    prefill_batch: int = flax.struct.field(pytree_node=False)  # prompts per in-loop prefill; 0 = all up front
-    num_samples: int = flax.struct.field(pytree_node=False)
-    new_bucket: int = flax.struct.field(pytree_node=False)
-    kv_layout: str = flax.struct.field(pytree_node=False, default="slots")  # or "paged" (rljax.sampling.paged)
-    page_size: int = flax.struct.field(pytree_node=False, default=16)
-    num_pages: int = flax.struct.field(pytree_node=False, default=0)  # paged: pages in each layer's pool
-    drain_slots: int = flax.struct.field(pytree_node=False, default=0)  # the tail's slots (0: no drain)
-
-
-def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> Layout:
+def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> SlotLayout:
     """Slots, refill and prefill sizes for `num_prompts` prompts of (bucketed) length `prompt_len`.
 
     S = slots if set, else max_total_tokens // (P + N) if set, else min(rows, 64); at most the rows.
@@ -152,31 +130,9 @@ def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> 
     refill = min(controls.refill_batch or max(1, slots // 4), slots)
     prefill_batch = controls.prefill_batch if 0 < controls.prefill_batch < num_prompts else 0
     drain = slots // DRAIN_FRACTION if slots >= DRAIN_MIN_SLOTS and controls.kv_layout == "slots" else 0
-    return Layout(slots=slots, refill=refill, prefill_batch=prefill_batch, num_samples=controls.num_samples,
-                  new_bucket=new_bucket, kv_layout=controls.kv_layout, page_size=controls.page_size,
-                  num_pages=num_pages, drain_slots=drain)
-
-
-def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int) -> PromptPool:
-    empty = init_cache(cfg, entries, prompt_len)
-    return PromptPool(layers=empty["layers"], pos_gp=empty["pos"],
-                      logits_gv=jnp.zeros((entries, cfg.vocab_size), jnp.float32),
-                      next_pos_g=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32))
-
-
-def prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mask_bp, batch: int, *,
-                      batch_invariant: bool) -> PromptPool:
-    """Prefills prompts [prefilled, prefilled + batch) into their ring entries."""
-    start = pool.prefilled
-    tokens = jax.lax.dynamic_slice_in_dim(prompt_bp, start, batch)
-    mask = jax.lax.dynamic_slice_in_dim(mask_bp, start, batch)
-    cache, logits_bv = prompt_forward(cfg, params, tokens, mask, batch_invariant=batch_invariant)
-    entry = start % pool.pos_gp.shape[0]
-    put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), entry, 0)
-    layers = tuple({name: put(pc[name], lc[name]) for name in pc} for pc, lc in zip(pool.layers, cache["layers"]))
-    return pool.replace(layers=layers, pos_gp=put(pool.pos_gp, cache["pos"]), logits_gv=put(pool.logits_gv, logits_bv),
-                        next_pos_g=put(pool.next_pos_g, jnp.sum(mask, axis=1, dtype=jnp.int32)),
-                        prefilled=start + batch)
+    return SlotLayout(slots=slots, refill=refill, prefill_batch=prefill_batch, num_samples=controls.num_samples,
+                      new_bucket=new_bucket, kv_layout=controls.kv_layout, page_size=controls.page_size,
+                      num_pages=num_pages, drain_slots=drain)
 
 
 def _reset_positions(pos_sl, slot_tgt, prompt_pos_ap):
@@ -188,7 +144,7 @@ def _reset_positions(pos_sl, slot_tgt, prompt_pos_ap):
 
 
 def _admit(cfg: ModelConfig, state: SlotState, row_keys_r, num_rows, max_new, scalars, *, spec: StaticControls,
-           layout: Layout) -> SlotState:
+           layout: SlotLayout) -> SlotState:
     """Moves up to `layout.refill` pending rows, in input order, into free slots and draws their
     token 0 from the pool's logits (see the module docstring)."""
     s_count, a_count = layout.slots, layout.refill
@@ -216,58 +172,24 @@ def _admit(cfg: ModelConfig, state: SlotState, row_keys_r, num_rows, max_new, sc
                    for lc, pc in zip(cache["layers"], pool.layers))
     cache = {"layers": layers, "pos": _reset_positions(cache["pos"], slot_tgt, pool.pos_gp[entry_a]),
              "index": cache["index"].at[slot_tgt].set(prompt_len, mode="drop")}
-
-    step0 = jnp.zeros((a_count,), jnp.int32)
-    tok_a, logp_a, slp_a = draw(pool.logits_gv[entry_a], row_keys_r[row_safe], row_a, step0, scalars, spec)
-    window0 = jnp.full((a_count, state.window_sl.shape[1]), -1, jnp.int32)
-    window_a, hit_eos, hit_stop = stop_flags(window0, tok_a, ok_a, spec)
-    ended = hit_eos | hit_stop | (max_new <= 1)
-    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
-    put_row = lambda buf, x: buf.at[row_tgt, 0].set(x.astype(buf.dtype), mode="drop")
-    put_slot = lambda buf, x: buf.at[slot_tgt].set(x.astype(buf.dtype), mode="drop")
-    return state.replace(
-        cache=cache, row_s=put_slot(state.row_s, row_a), step_s=put_slot(state.step_s, step0 + 1),
-        live_s=put_slot(state.live_s, ~ended), last_token_s=put_slot(state.last_token_s, tok_a),
-        next_pos_s=put_slot(state.next_pos_s, pool.next_pos_g[entry_a]),
-        window_sl=put_slot(state.window_sl, window_a),
-        tokens_rn=put_row(state.tokens_rn, tok_a), logp_rn=put_row(state.logp_rn, logp_a),
-        sampling_logp_rn=put_row(state.sampling_logp_rn, slp_a),
-        length_r=state.length_r.at[row_tgt].set(1, mode="drop"),
-        finish_r=state.finish_r.at[row_tgt].set(reason, mode="drop"),
-        next_row=state.next_row + jnp.sum(ok_a, dtype=jnp.int32))
+    state, _ = admit_rows(state, pool.logits_gv[entry_a], row_keys_r[row_safe], row_a, pool.next_pos_g[entry_a], ok_a,
+                          slot_tgt, row_tgt, max_new, scalars, spec)
+    return state.replace(cache=cache, next_row=state.next_row + jnp.sum(ok_a, dtype=jnp.int32))
 
 
 def _decode_step(cfg: ModelConfig, layer_params, state: SlotState, row_keys_r, max_new, scalars, rope_cos_sin,
                  *, spec: StaticControls) -> SlotState:
     """One forward step over every slot; running slots draw and record their next token."""
     live_s = state.live_s
-    rows_total = state.length_r.shape[0]
     logits_sv, cache = step_forward(cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.cache,
                                     rope_cos_sin, batch_invariant=spec.batch_invariant)
     cache = dict(cache, index=jnp.where(live_s, cache["index"], state.cache["index"]))  # idle slots stay put
-    row_safe = jnp.clip(state.row_s, 0, rows_total - 1)
-    tok_s, logp_s, slp_s = draw(logits_sv, row_keys_r[row_safe], state.row_s, state.step_s, scalars, spec)
-    tok_s = jnp.where(live_s, tok_s, spec.pad_id)
-    row_tgt = jnp.where(live_s, state.row_s, rows_total)
-    put = lambda buf, x: buf.at[row_tgt, state.step_s].set(x.astype(buf.dtype), mode="drop")
-    window, hit_eos, hit_stop = stop_flags(state.window_sl, tok_s, live_s, spec)
-    step_s = state.step_s + live_s
-    ended = hit_eos | hit_stop | (live_s & (step_s >= max_new))
-    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
-    any_live = jnp.any(live_s)
-    return state.replace(
-        cache=cache, step_s=step_s, live_s=live_s & ~ended, last_token_s=tok_s,
-        next_pos_s=state.next_pos_s + live_s, window_sl=window,
-        tokens_rn=put(state.tokens_rn, tok_s), logp_rn=put(state.logp_rn, logp_s),
-        sampling_logp_rn=put(state.sampling_logp_rn, slp_s),
-        length_r=state.length_r.at[row_tgt].set(step_s, mode="drop"),
-        finish_r=state.finish_r.at[jnp.where(ended, state.row_s, rows_total)].set(reason, mode="drop"),
-        decode_steps=state.decode_steps + any_live,
-        live_row_steps=state.live_row_steps + jnp.sum(live_s, dtype=jnp.int32))
+    state, _ = record_step(state, logits_sv, row_keys_r, max_new, scalars, spec)
+    return state.replace(cache=cache)
 
 
 def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
-                      spec: StaticControls, layout: Layout) -> SampleResult:
+                      spec: StaticControls, layout: SlotLayout) -> SampleResult:
     """Traceable continuous-batching sampler: B left-padded prompts -> B * n completions, rows
     prompt-major (row i * n + j is sample j of prompt i), as `rljax.sampling.sample` returns.
 
@@ -275,12 +197,12 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     prompts) are never decoded and come back empty. `max_new` and `scalars` are traced as in the
     static sampler; `layout` (see `plan_layout`) and `spec` are static. The result has
     `layout.new_bucket` columns; the callers keep the first max_new_tokens.
-    With `layout.kv_layout == "paged"` the same loop runs over a paged cache (`rljax.sampling.paged`).
+    This is the slot layout; `layout.kv_layout == "paged"` runs the same loop over a paged cache,
+    `rljax.sampling.paged.sample_paged` (the callers pick: neither module imports the other).
     """
-    if layout.kv_layout == "paged":
-        from rljax.sampling.paged import sample_paged  # paged builds on this module's pool and layout
-        return sample_paged(cfg, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, spec=spec,
-                            layout=layout)
+    if layout.kv_layout != "slots":
+        raise ValueError(f"sample_continuous decodes the slot layout, got kv_layout={layout.kv_layout!r}; "
+                         "use rljax.sampling.paged.sample_paged")
     layer_params = unstack_layers(params)
     mask_bp = mask_bp.astype(bool)
     b, prompt_len = prompt_bp.shape
@@ -300,17 +222,8 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
                                   batch_invariant=spec.batch_invariant)
     slot_len = prompt_len + new_bucket
     cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
-    window = max([len(q) for q in spec.stop_sequences], default=1)
-    zeros_s = jnp.zeros((s_count,), jnp.int32)
-    state = SlotState(
-        cache=cache, row_s=zeros_s - 1, step_s=zeros_s, live_s=jnp.zeros((s_count,), bool), last_token_s=zeros_s,
-        next_pos_s=zeros_s, window_sl=jnp.full((s_count, window), -1, jnp.int32),
-        tokens_rn=jnp.full((rows_total, new_bucket), spec.pad_id, jnp.int32),
-        logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
-        sampling_logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
-        length_r=jnp.zeros((rows_total,), jnp.int32), finish_r=jnp.full((rows_total,), FINISH_LENGTH, jnp.int32),
-        next_row=jnp.zeros((), jnp.int32), pool=pool, decode_steps=jnp.zeros((), jnp.int32),
-        live_row_steps=jnp.zeros((), jnp.int32))
+    state = empty_slots(SlotState, spec, s_count, rows_total, new_bucket, cache=cache,
+                        next_row=jnp.zeros((), jnp.int32), pool=pool)
     keys_r = row_keys(key, rows_total)
     rope_cos_sin = rope_table(cfg, slot_len)
     num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
@@ -346,11 +259,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
             lambda st: _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec),
             _keep_slots(state, drain))
         slot_steps += (state.decode_steps - main_steps) * drain
-    mask = jnp.arange(new_bucket)[None, :] < state.length_r[:, None]
-    return SampleResult(tokens=state.tokens_rn, logprobs=state.logp_rn, sampling_logprobs=state.sampling_logp_rn,
-                        mask=mask, lengths=state.length_r, finish_reason=state.finish_r,
-                        decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=s_count,
-                        slot_steps=slot_steps)
+    return slot_result(state, s_count, slot_steps)
 
 
 def _keep_slots(state: SlotState, count: int) -> SlotState:

@@ -48,7 +48,7 @@ is the easier one to debug.
 
 The environment side is a duck-typed `host`: ``host.reset(index_b) -> episode id`` and
 ``host.step(episode_id, tokens_bn, turn_start_b, step, needs_b) -> EnvOutput`` of NumPy arrays
-(`rljax.train.episodes.EpisodeHost` decodes the turns with the run's tokenizer, steps the
+(`rljax.stages.episodes.EpisodeHost` decodes the turns with the run's tokenizer, steps the
 environments through the verifier pool and encodes the observations).
 
 Not done here: the static sampler's cache phases (the cache is P + N slots from the start), and

@@ -59,10 +59,10 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models import ModelConfig, cache_slot_axes, forward, rope_table, to_cache_layout, unstack_layers
-from rljax.sampling.continuous import Layout, PromptPool, empty_pool, prefill_into_pool
 from rljax.sampling.controls import StaticControls
-from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, row_keys,
-                                   step_forward, stop_flags)
+from rljax.sampling.decode import SampleResult, row_keys, step_forward
+from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_slots, prefill_into_pool,
+                                  record_step, slot_result)
 
 
 @flax.struct.dataclass
@@ -159,7 +159,7 @@ def _copy_prompt_pages(cfg: ModelConfig, kv, pool: PromptPool, src_gp, entry_a, 
 
 
 def _admit(cfg: ModelConfig, state: PagedState, keys_r, max_new, scalars, src_gp, shared_pages_g, *,
-           spec: StaticControls, layout: Layout) -> PagedState:
+           spec: StaticControls, layout: SlotLayout) -> PagedState:
     """Moves up to `layout.refill` pending rows (lowest index first) into free slots when their
     prompt's pages plus one per row are free, and draws their token 0 (see the module docstring)."""
     s_count, a_count, n, page = layout.slots, layout.refill, layout.num_samples, layout.page_size
@@ -204,24 +204,11 @@ def _admit(cfg: ModelConfig, state: PagedState, keys_r, max_new, scalars, src_gp
         refs_g=pt.refs_g.at[jnp.where(ok_a, prompt_a, groups)].add(1, mode="drop"),
         admitted=pt.admitted + jnp.sum(ok_a, dtype=jnp.int32))
 
-    step0 = jnp.zeros((a_count,), jnp.int32)
-    tok_a, logp_a, slp_a = draw(pool.logits_gv[prompt_a], keys_r[row_safe], row_a, step0, scalars, spec)
-    window0 = jnp.full((a_count, state.window_sl.shape[1]), -1, jnp.int32)
-    window_a, hit_eos, hit_stop = stop_flags(window0, tok_a, ok_a, spec)
-    ended_a = hit_eos | hit_stop | (max_new <= 1)
-    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
+    state, ended_a = admit_rows(state, pool.logits_gv[prompt_a], keys_r[row_safe], row_a, plen_a, ok_a, slot_tgt,
+                                row_tgt, max_new, scalars, spec)
     # A row that ends on token 0 never decodes: its pages go straight back.
     pt = _release(pt, jnp.zeros((s_count,), bool).at[slot_tgt].set(ended_a, mode="drop"), shared_pages_g)
-    put_row = lambda buf, x: buf.at[row_tgt, 0].set(x.astype(buf.dtype), mode="drop")
-    return state.replace(
-        kv=kv, pages=pt, row_s=put_slot(state.row_s, row_a), step_s=put_slot(state.step_s, step0 + 1),
-        live_s=put_slot(state.live_s, ~ended_a), last_token_s=put_slot(state.last_token_s, tok_a),
-        next_pos_s=put_slot(state.next_pos_s, plen_a), window_sl=put_slot(state.window_sl, window_a),
-        tokens_rn=put_row(state.tokens_rn, tok_a), logp_rn=put_row(state.logp_rn, logp_a),
-        sampling_logp_rn=put_row(state.sampling_logp_rn, slp_a),
-        length_r=state.length_r.at[row_tgt].set(1, mode="drop"),
-        finish_r=state.finish_r.at[row_tgt].set(reason, mode="drop"),
-        pending_r=state.pending_r.at[row_tgt].set(False, mode="drop"))
+    return state.replace(kv=kv, pages=pt, pending_r=state.pending_r.at[row_tgt].set(False, mode="drop"))
 
 
 def _grow(state: PagedState, shared_pages_g, page_size: int) -> PagedState:
@@ -320,13 +307,12 @@ def kernel_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s
 
 
 def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_new, scalars, rope_cos_sin,
-                 shared_pages_g, *, spec: StaticControls, layout: Layout) -> PagedState:
+                 shared_pages_g, *, spec: StaticControls, layout: SlotLayout) -> PagedState:
     """One forward step over every slot; the fed tokens' keys and values go into their pages, and
     rows that end give their pages back."""
     page = layout.page_size
     state = _grow(state, shared_pages_g, page)
     pt, live_s = state.pages, state.live_s
-    rows_total = state.length_r.shape[0]
     args = (cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.kv, pt, rope_cos_sin)
     if use_pallas_kernel(cfg, spec):
         logits_sv, kv = kernel_forward(*args, page_size=page, num_pages=layout.num_pages)
@@ -336,27 +322,11 @@ def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_
                                        page_size=page, num_pages=layout.num_pages,
                                        batch_invariant=spec.batch_invariant)
 
-    row_safe = jnp.clip(state.row_s, 0, rows_total - 1)
-    tok_s, logp_s, slp_s = draw(logits_sv, keys_r[row_safe], state.row_s, state.step_s, scalars, spec)
-    tok_s = jnp.where(live_s, tok_s, spec.pad_id)
-    row_tgt = jnp.where(live_s, state.row_s, rows_total)
-    put = lambda buf, x: buf.at[row_tgt, state.step_s].set(x.astype(buf.dtype), mode="drop")
-    window, hit_eos, hit_stop = stop_flags(state.window_sl, tok_s, live_s, spec)
-    step_s = state.step_s + live_s
-    ended = hit_eos | hit_stop | (live_s & (step_s >= max_new))
-    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
-    return state.replace(
-        kv=kv, pages=_release(pt, ended, shared_pages_g), step_s=step_s, live_s=live_s & ~ended,
-        last_token_s=tok_s, next_pos_s=state.next_pos_s + live_s, window_sl=window,
-        tokens_rn=put(state.tokens_rn, tok_s), logp_rn=put(state.logp_rn, logp_s),
-        sampling_logp_rn=put(state.sampling_logp_rn, slp_s),
-        length_r=state.length_r.at[row_tgt].set(step_s, mode="drop"),
-        finish_r=state.finish_r.at[jnp.where(ended, state.row_s, rows_total)].set(reason, mode="drop"),
-        decode_steps=state.decode_steps + jnp.any(live_s),
-        live_row_steps=state.live_row_steps + jnp.sum(live_s, dtype=jnp.int32))
+    state, ended_s = record_step(state, logits_sv, keys_r, max_new, scalars, spec)
+    return state.replace(kv=kv, pages=_release(pt, ended_s, shared_pages_g))
 
 
-def _empty_pages(cfg: ModelConfig, layout: Layout, groups: int, prompt_len: int) -> tuple[Any, PageTable]:
+def _empty_pages(cfg: ModelConfig, layout: SlotLayout, groups: int, prompt_len: int) -> tuple[Any, PageTable]:
     page, pages = layout.page_size, layout.num_pages
     shape = (cfg.num_kv_heads, pages, page, cfg.head_dim)
     kv = tuple({"k": jnp.zeros(shape, cfg.compute_jnp_dtype), "v": jnp.zeros(shape, cfg.compute_jnp_dtype)}
@@ -374,9 +344,10 @@ def _empty_pages(cfg: ModelConfig, layout: Layout, groups: int, prompt_len: int)
 
 
 def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
-                 spec: StaticControls, layout: Layout) -> SampleResult:
+                 spec: StaticControls, layout: SlotLayout) -> SampleResult:
     """`rljax.sampling.continuous.sample_continuous` over the paged layout (same arguments, same
-    result, plus the page counters). Every prompt is prefilled up front into the prompt pool."""
+    result, plus the page counters). Every prompt is prefilled up front into the prompt pool; the
+    pool, the token draws and the row outputs are the slot layout's (`rljax.sampling.slots`)."""
     layer_params = unstack_layers(params)
     mask_bp = mask_bp.astype(bool)
     b, prompt_len = prompt_bp.shape
@@ -390,18 +361,9 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
         jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), pos_gp.shape), mode="drop")
     shared_pages_g = pool.next_pos_g // layout.page_size
     kv, pt = _empty_pages(cfg, layout, b, prompt_len)
-    window = max([len(q) for q in spec.stop_sequences], default=1)
-    zeros_s = jnp.zeros((s_count,), jnp.int32)
     num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
-    state = PagedState(
-        kv=kv, pages=pt, row_s=zeros_s - 1, step_s=zeros_s, live_s=jnp.zeros((s_count,), bool),
-        last_token_s=zeros_s, next_pos_s=zeros_s, window_sl=jnp.full((s_count, window), -1, jnp.int32),
-        tokens_rn=jnp.full((rows_total, new_bucket), spec.pad_id, jnp.int32),
-        logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
-        sampling_logp_rn=jnp.zeros((rows_total, new_bucket), jnp.float32),
-        length_r=jnp.zeros((rows_total,), jnp.int32), finish_r=jnp.full((rows_total,), FINISH_LENGTH, jnp.int32),
-        pending_r=jnp.arange(rows_total) < num_rows, pool=pool, decode_steps=jnp.zeros((), jnp.int32),
-        live_row_steps=jnp.zeros((), jnp.int32))
+    state = empty_slots(PagedState, spec, s_count, rows_total, new_bucket, kv=kv, pages=pt,
+                        pending_r=jnp.arange(rows_total) < num_rows, pool=pool)
     keys_r = row_keys(key, rows_total)
     rope_cos_sin = rope_table(cfg, prompt_len + new_bucket)
 
@@ -411,12 +373,9 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
                             spec=spec, layout=layout)
 
     state = jax.lax.while_loop(lambda st: jnp.any(st.live_s) | jnp.any(st.pending_r), body, state)
-    mask = jnp.arange(new_bucket)[None, :] < state.length_r[:, None]
     pt = state.pages
-    return SampleResult(tokens=state.tokens_rn, logprobs=state.logp_rn, sampling_logprobs=state.sampling_logp_rn,
-                        mask=mask, lengths=state.length_r, finish_reason=state.finish_r,
-                        decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=s_count,
-                        slot_steps=state.decode_steps * s_count, preemptions=pt.preemptions, peak_pages=pt.peak, free_pages=pt.free)
+    return slot_result(state, s_count, state.decode_steps * s_count, preemptions=pt.preemptions, peak_pages=pt.peak,
+                       free_pages=pt.free)
 
 
 def tpu_paged_attention(q_bnh, k_pages, v_pages, lengths_b, table_bk, cfg: ModelConfig, *,

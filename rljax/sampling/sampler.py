@@ -3,9 +3,9 @@
 Both validate the prompts on the host and pad them. `generate` then runs ONE compiled program
 per configuration, whatever the scheduler: `rljax.sampling.decode.sample_static` (prefill, the
 decode phases and the result; see its module docstring for the algorithm, the log-probs and the
-phases) or `rljax.sampling.continuous.sample_continuous`. `stream` runs the static pieces as
-separate jitted calls, so it can hand tokens back between them. The sampling controls are one
-`SampleControls`.
+phases) or `rljax.sampling.continuous.sample_continuous` (`rljax.sampling.paged.sample_paged` with
+`kv_layout="paged"`). `stream` runs the static pieces as separate jitted calls, so it can hand
+tokens back between them. The sampling controls are one `SampleControls`.
 
 Buckets. The prompt length P is padded (on the left) to `bucket_length(P)`, the decode buffers
 are sized `bucket_length(max_new_tokens)`, with `bucket_length(n)` = the next power of two >= max(n,
@@ -37,12 +37,14 @@ from rljax.errors import DataError
 from rljax.models import ModelConfig, unstack_layers
 from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
+from rljax.sampling import paged as PG
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sharding.rules import batch_axes
 from rljax.tokenizers import check_token_ids
 
 _static_jit = jax.jit(D.sample_static, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
 _continuous_jit = jax.jit(C.sample_continuous, static_argnames=("cfg", "spec", "layout"))
+_paged_jit = jax.jit(PG.sample_paged, static_argnames=("cfg", "spec", "layout"))
 _trim_jit = jax.jit(C.trim, static_argnames=("rows", "width"))
 # `stream`'s pieces:
 _prefill_jit = jax.jit(D.prefill, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
@@ -127,8 +129,8 @@ def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *,
     max_new, scalars = np.int32(controls.max_new_tokens), controls.scalars()
     if controls.scheduler == "continuous":
         layout = C.plan_layout(controls, tokens.shape[0], tokens.shape[1])
-        result = _continuous_jit(cfg, params, tokens, mask, key, max_new, scalars, np.int32(rows), spec=spec,
-                                 layout=layout)
+        run = _paged_jit if layout.kv_layout == "paged" else _continuous_jit
+        result = run(cfg, params, tokens, mask, key, max_new, scalars, np.int32(rows), spec=spec, layout=layout)
         split = None
     else:
         split = rows_sharding(params, tokens.shape[0])

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from rljax.models import ModelConfig
 from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
+from rljax.sampling import paged as PG
 from rljax.sampling.controls import SampleControls
 
 
@@ -26,9 +27,9 @@ def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, cont
     if controls.scheduler == "continuous":
         b, p = prompt_tokens_bt.shape
         layout = C.plan_layout(controls, b, p)
-        result = C.sample_continuous(cfg, params, prompt_tokens_bt, prompt_mask_bt, key,
-                                     jnp.int32(controls.max_new_tokens), controls.scalars(),
-                                     b * controls.num_samples, spec=spec, layout=layout)
+        run = PG.sample_paged if layout.kv_layout == "paged" else C.sample_continuous
+        result = run(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, jnp.int32(controls.max_new_tokens),
+                     controls.scalars(), b * controls.num_samples, spec=spec, layout=layout)
         return C.trim(result, b * controls.num_samples, controls.max_new_tokens)
     result = D.sample_static(cfg, params, prompt_tokens_bt, prompt_mask_bt.astype(bool), key,
                              jnp.int32(controls.max_new_tokens), controls.scalars(), None, spec=spec,

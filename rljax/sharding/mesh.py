@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import jax
 from jax.sharding import AxisType, Mesh
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
@@ -30,14 +32,37 @@ BATCH_AXES = ("data", "fsdp")  # batches and activations shard their leading dim
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the (data, fsdp, tensor) mesh axes; at most one may be -1, meaning "the rest".
+    """The device mesh (the `[mesh]` section): the trainer's (data, fsdp, tensor) axis sizes, at
+    most one -1 ("the rest of the devices"), over the first `devices` devices (0: all; a
+    multi-process run needs all). The default, data=1, fsdp=-1, tensor=1, is plain FSDP over every
+    device; one device means no sharding. Each sampler mesh is one of these too (data=-1, fsdp=1).
 
-    The default, data=1, fsdp=-1, tensor=1, is plain FSDP over every device.
+    `sampler` picks where sampling runs:
+    - `shared`: in the trainer's layout (FSDP params); the whole iteration is ONE program.
+    - `tensor`: in its own layout, a mesh of data=-1 x tensor=`sampler_tensor` (0: the trainer's
+      tensor size) over the same devices, params replicated over data and split over heads and
+      the MLP on tensor, so decoding needs no per-token all-gathers. Each iteration then reshards
+      the params on device (`time/weight_sync_s`), runs a sampling program and an update program.
+
+    `sampler_devices` > 0 gives the sampler devices of its own (ReaLHF, Mei et al., 2024): the last
+    that many devices (a float in (0, 1): that fraction of them) form the sampler's mesh (data=-1 x
+    tensor=`sampler_tensor`), the rest the trainer's, so `rl.mode` can overlap the two.
+
+    `sampler_processes` = k > 0 (a multi-process `rl.mode = "async"` run) makes the last k
+    processes sampler hosts and the others trainer hosts (`rljax.drivers.remote`): each side's mesh
+    is its own process's devices, weights and rollouts move over `rljax.sharding.transport`, and a
+    peer silent for `transport_timeout_s` seconds stops the run.
     """
 
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
+    data: int = bounded(1, ge=1, also=(-1,))
+    fsdp: int = bounded(-1, ge=1, also=(-1,))
+    tensor: int = bounded(1, ge=1, also=(-1,))
+    devices: int = bounded(0, ge=0)
+    sampler: Literal["shared", "tensor"] = "shared"
+    sampler_tensor: int = bounded(0, ge=0)
+    sampler_devices: int | float = bounded(0, ge=0)
+    sampler_processes: int = bounded(0, ge=0)
+    transport_timeout_s: float = bounded(120.0, gt=0)
 
     def __post_init__(self):
         sizes = self.sizes()
@@ -45,6 +70,16 @@ class MeshConfig:
             raise ConfigError(f"mesh sizes {dict(zip(AXES, sizes))} must be positive or -1 (the rest)")
         if sizes.count(-1) > 1:
             raise ConfigError(f"mesh sizes {dict(zip(AXES, sizes))}: at most one axis may be -1")
+        if self.sampler_processes and self.sampler_devices:
+            raise ConfigError("mesh.sampler_processes gives the sampler whole processes; drop mesh.sampler_devices "
+                              "(set it to 0)")
+        if not (self.sampler_devices == 0 or (isinstance(self.sampler_devices, int) and self.sampler_devices > 0)
+                or 0 < self.sampler_devices < 1):
+            raise ConfigError(f"mesh.sampler_devices={self.sampler_devices} must be a device count >= 1, a fraction "
+                              "in (0, 1), or 0 (the sampler shares the trainer's devices)")
+        if self.sampler_tensor and self.sampler == "shared" and not self.sampler_devices:
+            raise ConfigError("mesh.sampler_tensor only applies to a separate sampler layout; "
+                              "set mesh.sampler='tensor' (or mesh.sampler_devices) or drop mesh.sampler_tensor")
 
     def sizes(self) -> tuple[int, int, int]:
         return (self.data, self.fsdp, self.tensor)

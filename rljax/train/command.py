@@ -117,14 +117,16 @@ def _eval(args: argparse.Namespace) -> int:
     from rljax.envs import get_format
     from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_solved, sampled_eval
     from rljax.sampling import multiturn
-    from rljax.train import episodes, setup
-    from rljax.train.loop import sample_controls
+    from rljax.evaluation.episodes import episode_accuracy
+    from rljax.train import setup
+    from rljax.models.setup import build_tokenizer
+    from rljax.train.run import sample_controls
 
     cfg, picked = _run_config(args.run_dir, args.step)
     step = picked.step
     print(f"evaluating {picked.describe()} of {args.run_dir}", file=sys.stderr)
     model_cfg, params = load_params(picked.checkpoints, step)
-    tokenizer = setup.build_tokenizer(cfg.model)
+    tokenizer = build_tokenizer(cfg.model)
     controls = sample_controls(cfg, tokenizer)
     # the training run's held-out problems and reward: per source, routed by task, for a mixture
     evaluator = EvalSetup.build(model_cfg, setup.eval_split(cfg), tokenizer, setup.prompt_format(cfg.data),
@@ -136,8 +138,8 @@ def _eval(args: argparse.Namespace) -> int:
         result[f"checkpoint/{picked.metric}"] = picked.value
     if cfg.env.enabled:  # greedy episodes with the run's tool; sampled pass@k is single-turn only
         stop = tokenizer.encode(get_format(cfg.env.format).stop_sequence)
-        result["greedy_accuracy"] = episodes.episode_accuracy(
-            evaluator, params, setup.build_env(cfg.env), episodes.EpisodeOptions.from_section(cfg.env),
+        result["greedy_accuracy"] = episode_accuracy(
+            evaluator, params, setup.build_env(cfg.env), cfg.env,
             multiturn.episode_controls(controls, stop))
         print(json.dumps(result, indent=2))
         return 0
@@ -154,10 +156,10 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from rljax.checkpoint import export_hf, export_peft
-    from rljax.train import setup
+    from rljax.models.setup import build_tokenizer
 
     cfg, picked = _run_config(args.run_dir, args.step)
-    tokenizer = setup.build_tokenizer(cfg.model)
+    tokenizer = build_tokenizer(cfg.model)
     if args.adapter:
         lora = export_peft(picked.checkpoints, args.out_dir, picked.step, tokenizer=tokenizer)
         print(f"exported the rank-{lora.rank} LoRA adapter of {picked.describe()} of {args.run_dir} to "

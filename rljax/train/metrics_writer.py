@@ -28,12 +28,25 @@ from typing import Any
 
 from etils import epath
 
+from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.storage import Mirror, as_path, is_remote
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id.txt"
 SAMPLES_FILE = "samples.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSection:
+    """Where metrics go. Every `samples_every` iterations (0: never) a few sampled completions
+    with their rewards are logged (samples.jsonl, TensorBoard text, a wandb table)."""
+
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    progress_bar: bool = True
+    samples_every: int = bounded(50, ge=0)
+
 
 
 @dataclasses.dataclass(frozen=True)

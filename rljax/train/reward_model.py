@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rljax.models.setup import build_policy, build_tokenizer, policy_config
 from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.models import init_params, save_hf
 from rljax.models.heads import sequence_scores
-from rljax.train.config import ModelSection
+from rljax.models.setup import ModelSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +137,12 @@ def train_reward_model(cfg: RewardTrainConfig, *, log=print) -> dict[str, Any]:
     """Trains, evaluates and exports the reward model; returns the summary written to
     `output_dir/summary.json` (held-out pair accuracy before and after, loss curve)."""
     from rljax.models import resolve_checkpoint
-    from rljax.train import setup
 
     if not cfg.pairs:
         raise ConfigError("rljax train-rm needs pairs=PATH (a JSONL of prompt, chosen, rejected)")
     # With a base model its own tokenizer serves; model.tokenizer is the from-scratch model's.
     section = dataclasses.replace(cfg.model, checkpoint=cfg.base, tokenizer=None) if cfg.base else cfg.model
-    tokenizer = setup.build_tokenizer(section)
+    tokenizer = build_tokenizer(section)
     rows = read_pairs(cfg.pairs, use_margin=cfg.margin)
     held = read_pairs(cfg.eval_pairs, use_margin=cfg.margin) if cfg.eval_pairs else rows[len(rows) - cfg.eval_size:]
     train_rows = rows if cfg.eval_pairs else rows[:len(rows) - cfg.eval_size]
@@ -153,9 +153,9 @@ def train_reward_model(cfg: RewardTrainConfig, *, log=print) -> dict[str, Any]:
     train_set, eval_set = encode_pairs(train_rows, **enc), encode_pairs(held, **enc)
     key = jax.random.key(cfg.seed)
     if cfg.base:
-        model_cfg, backbone = setup.build_policy(section, tokenizer, key)
+        model_cfg, backbone = build_policy(section, tokenizer, key)
     else:
-        model_cfg, backbone = setup.policy_config(cfg.model, tokenizer), None
+        model_cfg, backbone = policy_config(cfg.model, tokenizer), None
     params = init_reward_params(model_cfg, backbone, key)
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), cfg.steps)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay))

@@ -2,7 +2,7 @@
 
 Inside one jitted program (compiled once per batch shape and config):
 
-    prepare_batch: shaped rewards, old / reference log-probs, old values, advantages
+    prepare_batch: shaped rewards, old / reference log-probs, old values, advantages (update/advantages.py)
     for epoch in num_epochs:                       lax.scan
         shuffle rows, split into num_minibatches   lax.scan
             split into num_microbatches            lax.scan, gradients accumulated
@@ -11,7 +11,7 @@ Inside one jitted program (compiled once per batch shape and config):
 Metrics are summed as (numerator, denominator) pairs and divided once at the end, so they equal
 one big batch's. Log-probs come from `rljax.models.token_logprobs`, the sampler's own scoring
 code: an on-policy ratio starts at 1 up to the sampler/trainer numerics gap, which is reported
-every step as `rollout/logp_diff_mean|max` and `rollout/ratio_first_min|max` (see `update`).
+every step as `update/logp_diff_mean|max` and `update/ratio_first_min|max` (see `update`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig, make_optimizer, make_schedule
 from rljax.sharding import Layout, sync_weights
-from rljax.update.batch import RolloutBatch, prepare_batch, rows
+from rljax.update.advantages import prepare_batch
+from rljax.update.batch import RolloutBatch, rows
 from rljax.update.config import UpdateConfig
 from rljax.update.loss import aggregation_denominator, microbatch_loss
 from rljax.update.packing import Slab, pack_rows, pad_fraction
@@ -302,10 +303,10 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
     # starts from (the policy loss's ratio: per token, per sequence for GSPO).
     if not algo.recompute_old_logp:
         first_num, first_den = pairs["logp_diff/abs_mean"]
-        metrics["rollout/logp_diff_mean"] = first_num[0, 0] / jnp.maximum(first_den[0, 0], 1e-8)
-        metrics["rollout/logp_diff_max"] = ext["logp_diff/abs_max"][0, 0]
-    metrics["rollout/ratio_first_min"] = ext["ratio/min"][0, 0]
-    metrics["rollout/ratio_first_max"] = ext["ratio/max"][0, 0]
+        metrics["update/logp_diff_mean"] = first_num[0, 0] / jnp.maximum(first_den[0, 0], 1e-8)
+        metrics["update/logp_diff_max"] = ext["logp_diff/abs_max"][0, 0]
+    metrics["update/ratio_first_min"] = ext["ratio/min"][0, 0]
+    metrics["update/ratio_first_max"] = ext["ratio/max"][0, 0]
     metrics["lr"] = make_schedule(state.optim)(state.step)
     metrics["num_updates"] = jnp.asarray(sched.num_epochs * n_mb, jnp.int32)
     reward_model = state.reward_model

@@ -15,27 +15,29 @@ all kept. The policy signal is the group-normalised advantage ``|A| = |r - mean_
 (std_g + 1e-6)`` of every sampled group (DUMP's and SEC's learning progress; GRPO's
 advantage), so a task's groups that the resampler dropped still tell the policy it is solved.
 
-It is its own module because the fused iteration (`rljax.train.iteration.make_iteration`) has
+It is its own module because the fused iteration (`rljax.stages.iteration.make_iteration`) has
 no host in the middle; this is the path for everything that needs one. With a trainer layout
 the stages are the split iteration's programs (`make_stages`), on one process.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 from typing import Any
 
 import jax
 import numpy as np
 
+from rljax.checkpoint.train_state import decode_array, encode_array
 from rljax.data.mixture import MixtureSampler, task_metrics
 from rljax.data.replay import ReplayBuffer, mix_into_batch
 from rljax.data.resampling import RoundResampler
 from rljax.data.selection import group_stats
 from rljax.errors import CheckpointError
-from rljax.train.iteration import merge_metrics
+from rljax.drivers.base import Driver
+from rljax.errors import ConfigError
+from rljax.rewards import as_callback
+from rljax.stages.iteration import make_stages, merge_metrics
 from rljax.update import RolloutBatch
 
 _SUMMED = ("rollout/tokens", "rollout/verifier_failed")  # rollout metrics that add up over rounds
@@ -58,7 +60,7 @@ class Rounds:
         if rl.resample_round_size:
             return cls(rl.resample_round_size, rl.resample_max_rounds, True)
         if rl.dynamic_sampling:
-            return cls(max(1, round(rl.prompts_per_iteration * rl.oversample)), 1, True)
+            return cls(rl.num_prompts, 1, True)
         return cls(rl.prompts_per_iteration, 1, False)
 
 
@@ -100,7 +102,7 @@ class HostBatcher:
     def __init__(self, sampler: MixtureSampler, stages, *, num_groups: int, num_samples: int,
                  rounds: Rounds, replay: ReplayBuffer | None = None, replay_fraction: float = 0.0,
                  correct_threshold: float = 1.0):
-        self.sampler, self.stages = sampler, stages  # rljax.train.iteration.Stages
+        self.sampler, self.stages = sampler, stages  # rljax.stages.iteration.Stages
         self.num_groups, self.n, self.rounds = num_groups, num_samples, rounds
         self.replay, self.replay_fraction, self.correct_threshold = replay, replay_fraction, correct_threshold
         self.last_task_ids_g: np.ndarray | None = None  # the groups the update saw, for tests and logs
@@ -159,16 +161,6 @@ class HostBatcher:
         return state, metrics, preview
 
 
-def _encode_array(x: np.ndarray) -> str:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(x), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _decode_array(text: str) -> np.ndarray:
-    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
-
-
 class HostDataState:
     """The checkpoint's `data_state` of a host-steered run, with the data iterator's
     `get_state`/`set_state`: the sampler's JSON (selection state, stream positions, samples per
@@ -181,7 +173,7 @@ class HostDataState:
     def get_state(self) -> dict:
         state = {"mixture": self.sampler.state_dict()}
         if self.replay is not None:
-            state["replay"] = {k: _encode_array(v) if isinstance(v, np.ndarray) else v
+            state["replay"] = {k: encode_array(v) if isinstance(v, np.ndarray) else v
                                for k, v in self.replay.state_dict().items()}
         return state
 
@@ -194,5 +186,33 @@ class HostDataState:
             if "replay" not in state:
                 raise CheckpointError("the checkpoint has no replay buffer; resume with rl.replay.capacity=0 "
                                       "or start a new run")
-            self.replay.load_state_dict({k: _decode_array(v) if k in _REPLAY_ARRAYS else v
+            self.replay.load_state_dict({k: decode_array(v) if k in _REPLAY_ARRAYS else v
                                          for k, v in state["replay"].items()})
+
+
+class HostDriver(Driver):
+    """The host-steered iteration as a driver: `HostBatcher.step` with key fold_in(loop key, it);
+    its prompt source is the mixture's host state (`HostDataState`)."""
+
+    def __init__(self, batcher: HostBatcher, callback, data: HostDataState, loop_key: jax.Array):
+        super().__init__()
+        self.batcher, self.callback, self.data, self._key = batcher, callback, data, loop_key
+
+    def step(self, state, it: int):
+        return self.batcher.step(state, jax.random.fold_in(self._key, it))
+
+
+def build_host(run, template) -> HostDriver:
+    """A mixture, a selection policy, resampling or replay: sample -> host -> update, one process."""
+    if jax.process_count() > 1:
+        raise ConfigError("a mixture, selection policy, rl.resample_round_size or rl.replay runs in one process "
+                          "for now; use a single source without resampling or replay across processes")
+    cfg = run.cfg
+    callback = as_callback(run.reward_fn, run.tokenizer, run.sampler.table)  # grows with fresh questions
+    rounds = Rounds.from_config(cfg.rl)
+    stages = make_stages(run.controls, callback, template, num_prompts=rounds.round_size,
+                         trainer=run.trainer_layout, sampler=run.sampler_layout)
+    batcher = HostBatcher(run.sampler, stages, num_groups=cfg.rl.prompts_per_iteration,
+                          num_samples=cfg.sampling.num_samples, rounds=rounds, replay=run.replay,
+                          replay_fraction=cfg.rl.replay.fraction)
+    return HostDriver(batcher, callback, HostDataState(run.sampler, run.replay), run.keys["loop"])

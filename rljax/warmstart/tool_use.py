@@ -1,6 +1,6 @@
 """Supervised warm start on scripted tool-use demonstrations, before multi-turn RL.
 
-The single-turn warm start (`rljax.train.warm_start`) teaches the reference answer. With a tool
+The single-turn warm start (`rljax.warmstart.sft`) teaches the reference answer. With a tool
 the demonstration is an episode: the model calls the tool on the problem's expression, reads the
 result and answers with it,
 
@@ -32,7 +32,7 @@ from rljax.data.example import Example
 from rljax.data.templates import PromptFormat, encode_prompts
 from rljax.errors import ConfigError, DataError
 from rljax.tokenizers import pad_batch
-from rljax.train.warm_start import make_sft_step
+from rljax.warmstart.sft import make_sft_step
 
 
 def call_input(example: Example | dict) -> str:

@@ -1,6 +1,6 @@
 """One RL iteration: rollout -> update, compiled as one program or as two.
 
-    batch, rollout_metrics, preview = rollout(params, prompts)     # rljax.train.rollout
+    batch, rollout_metrics, preview = rollout(params, prompts)     # rljax.stages.rollout
     state, train_metrics = update(state, batch)                    # rljax.update
 
 `make_iteration` compiles both as ONE program: no Python runs between the stages, the host is
@@ -18,7 +18,7 @@ runs once, on the process that holds device 0, which sees every row (every proce
 same example table).
 
 `make_stages` compiles the two stages as separate programs on one device, for iterations the
-host steers between them (`rljax.train.batching`: DAPO resampling rounds, replay, a mixture's
+host steers between them (`rljax.drivers.host`: DAPO resampling rounds, replay, a mixture's
 selection policy).
 
 Both return `(state, metrics, preview)`: the metrics of the two stages are merged with
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from rljax.sampling import SampleControls
 from rljax.sharding import Layout, sync_weights
 from rljax.sharding.rules import batch_axes
-from rljax.train.rollout import rollout, rollout_from_samples
+from rljax.stages.rollout import rollout, rollout_from_samples
 from rljax.update import TrainState, update
 
 
@@ -203,7 +203,7 @@ def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups
 def make_stages(controls: SampleControls, reward_callback: Callable, state: TrainState, *, num_prompts: int,
                 trainer: Layout | None = None, sampler: Layout | None = None) -> "Stages":
     """The two stages as separate programs, for iterations the host steers between them
-    (`rljax.train.batching`): `Stages.sample(state, prompt_tokens_pt, prompt_mask_pt, index_p,
+    (`rljax.drivers.host`): `Stages.sample(state, prompt_tokens_pt, prompt_mask_pt, index_p,
     key)` samples and scores `num_prompts` prompts (a `RolloutBatch` of num_prompts * n rows),
     `Stages.update(state, batch, key)` runs the update (state donated). `key` is split as
     `make_iteration` splits it, so one round of `num_groups` prompts reproduces the fused

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 import time
 from typing import Any
 
@@ -50,18 +49,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.data.example import verifier_metadata
-from rljax.data.pipeline import prompt_batches
-from rljax.errors import ConfigError
-from rljax.rewards import as_callback
-from rljax.sharding import Layout, abstract_like
+from rljax.sharding import abstract_like
 from rljax.sharding.transport import Transport, TransportTimeout
-from rljax.train import setup
-from rljax.train.config import MeshSection, TrainConfig
-from rljax.train.iteration import make_stages, merge_metrics
-from rljax.train.overlap import OverlapPrograms, TakenBatch
-from rljax.train.rollout_queue import fresh_rows
-from rljax.update import TrainState, init_train_state
+from rljax.sharding.placement import Roles
+from rljax.stages.iteration import merge_metrics
+from rljax.drivers.base import Driver
+from rljax.drivers.overlap import OverlapPrograms, TakenBatch
+from rljax.drivers.queue import fresh_rows
+from rljax.update import TrainState
 
 WEIGHTS = "weights"
 _KEYS = "rljax/remote"
@@ -78,66 +73,6 @@ class SamplerLost(RuntimeError):
 
 def rollout_channel(sampler: int) -> str:
     return f"rollouts/{sampler}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Roles:
-    """Which processes train and which sample: the last `sampler_processes` sample."""
-
-    trainers: tuple[int, ...]
-    samplers: tuple[int, ...]
-    process: int
-
-    @classmethod
-    def from_mesh(cls, section: MeshSection) -> Roles:
-        k, count = section.sampler_processes, jax.process_count()
-        if count <= k:
-            raise ConfigError(f"mesh.sampler_processes={k} needs a run of more than {k} processes (got {count}); "
-                              "launch more processes (RLJAX_NUM_PROCESSES) or set mesh.sampler_processes=0")
-        if count - k > 1:
-            raise ConfigError(f"mesh.sampler_processes={k} of {count} processes leaves {count - k} trainer processes; "
-                              f"one trainer process is supported for now: set mesh.sampler_processes={count - 1}")
-        return cls(tuple(range(count - k)), tuple(range(count - k, count)), jax.process_index())
-
-    @property
-    def is_sampler(self) -> bool:
-        return self.process in self.samplers
-
-
-def is_sampler_process(cfg: TrainConfig) -> bool:
-    return bool(cfg.mesh.sampler_processes) and Roles.from_mesh(cfg.mesh).is_sampler
-
-
-def build_layouts(section: MeshSection) -> tuple[Layout, Layout]:
-    """(trainer layout, sampler layout), both over this process's own devices: on a trainer host
-    the sampler layout is the one it publishes the weights in, on a sampler host the trainer
-    layout only shapes the (abstract) train state. The two sides must have the same device count
-    (the transfer moves shard for shard)."""
-    from rljax.sharding import MeshConfig, make_mesh, sampler_layout, trainer_layout
-
-    Roles.from_mesh(section)
-    devices = jax.local_devices()
-    mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), devices)
-    sampler_mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=section.sampler_tensor or 1), devices)
-    return trainer_layout(mesh), sampler_layout(sampler_mesh)
-
-
-def data_processes(cfg: TrainConfig) -> dict:
-    """The data pipeline's process split: every process reads the whole stream in a remote run
-    (the samplers keep every k-th batch), else the pipeline's default split by process."""
-    return {"process_index": 0, "process_count": 1} if cfg.mesh.sampler_processes else {}
-
-
-def checkpoint_processes(cfg: TrainConfig) -> set[int] | None:
-    """The processes that write checkpoints: the trainer hosts in a remote run (None: all)."""
-    return set(Roles.from_mesh(cfg.mesh).trainers) if cfg.mesh.sampler_processes else None
-
-
-def host_copy(trees):
-    """The trainer host's arrays as NumPy, for its checkpoint: they live on this process's mesh
-    only, and orbax saves no process-local jax.Array in a multi-process run (it would take it for
-    a pmap output); NumPy arrays it writes from the primary host, and restores into any sharding."""
-    return jax.device_get(trees)
 
 
 @jax.jit
@@ -162,12 +97,14 @@ def sampler_params_like(programs: OverlapPrograms, state: TrainState):
 # ----------------------------------------------------------------------------- trainer host
 
 
-class RemoteDriver:
+class RemoteDriver(Driver):
     """The trainer host's side: `AsyncDriver`'s interface (`step`, `checkpoint_extra`,
     `restore_extra`, `close`, `data_lock`) over the transport instead of a thread and a queue."""
 
-    def __init__(self, programs: OverlapPrograms, loop_key: jax.Array, cfg: TrainConfig, state: TrainState,
-                 *, num_prompts: int, transport: Transport | None = None):
+    def __init__(self, programs: OverlapPrograms, loop_key: jax.Array, cfg, state: TrainState,
+                 *, num_prompts: int, transport: Transport | None = None, data=None, callback=None):
+        super().__init__()
+        self.data, self.callback = data, callback
         self.programs, self._keys = programs, programs.keys(loop_key)
         self.roles = Roles.from_mesh(cfg.mesh)
         self.max_staleness = cfg.rl.max_staleness
@@ -175,7 +112,6 @@ class RemoteDriver:
         self._like = _item_like(programs, sampler_params_like(programs, state), rows, num_prompts,
                                 cfg.data.max_prompt_tokens)
         self._transport = transport or Transport.start(timeout_s=cfg.mesh.transport_timeout_s)
-        self.data_lock = threading.Lock()
         self.next_index = 0  # the next batch index j to take
         self.restarted = False
         self.taken: collections.deque[TakenBatch] = collections.deque(maxlen=4096)
@@ -273,6 +209,9 @@ class RemoteDriver:
 
     def checkpoint_extra(self) -> dict:
         return {"next_index": jnp.asarray(self.next_index, jnp.int32)}
+
+    def restore_target(self, template: TrainState) -> dict:
+        return {"next_index": jax.ShapeDtypeStruct((), np.int32, sharding=self.programs.replicated)}
 
     def restore_extra(self, extra: dict) -> None:
         self.next_index = int(extra["next_index"])
@@ -405,39 +344,4 @@ def _try(transport: Transport, key: str) -> str | None:
             return None
         raise
 
-
-def run_sampler(cfg: TrainConfig, *, log=print) -> int:
-    """A sampler host of a remote async run: builds the sampling program on this process's
-    devices (no policy is allocated: the first weights come from the trainer) and produces until
-    the trainer stops. Returns how many batches it put."""
-    roles = Roles.from_mesh(cfg.mesh)
-    trainer_layout, sampler_layout = build_layouts(cfg.mesh)
-    k_init, _, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
-    tokenizer = setup.build_tokenizer(cfg.model)
-    model_cfg = setup.policy_config(cfg.model, tokenizer)
-    lora, adapters = setup.build_lora(cfg.lora, model_cfg)
-    from rljax.models import init_params
-
-    abstract_params = jax.eval_shape(lambda: init_params(model_cfg, k_init))
-    abstract_adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), adapters)
-    state = jax.eval_shape(lambda p, a: init_train_state(model_cfg, p, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                                                         shaping=cfg.shaping, lora=lora, adapters=a),
-                           abstract_params, abstract_adapters)
-    state = abstract_like(state, trainer_layout.tree(state))
-    train_set, _, _ = setup.build_splits(cfg.data)
-    data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=cfg.rl.prompts_per_iteration, seed=cfg.data.seed,
-                          max_prompt_len=cfg.data.max_prompt_tokens, fmt=setup.prompt_format(cfg.data),
-                          add_bos=cfg.data.add_bos, **data_processes(cfg))
-    callback = as_callback(setup.build_reward(cfg.reward), tokenizer, [verifier_metadata(e) for e in data.examples])
-    stages = make_stages(cfg.sampling.with_tokenizer(tokenizer), callback, state,
-                         num_prompts=cfg.rl.prompts_per_iteration, trainer=trainer_layout, sampler=sampler_layout)
-    programs = OverlapPrograms.from_stages(stages)
-    transport = Transport.start(timeout_s=cfg.mesh.transport_timeout_s)
-    producer = RemoteSampler(programs, stages.split.prompts_sh, sampler_params_like(programs, state),
-                             iter(data.dataset), transport, roles, k_loop, cfg.rl.max_staleness, cfg.rl.queue_batches,
-                             cfg.rl.stale_rows == "wait", cfg.rl.prompts_per_iteration * cfg.sampling.num_samples,
-                             callback=callback, log=log)
-    n = producer.run()
-    log(f"sampler process {roles.process}: {n} batches put; the trainer stopped")
-    return n
 

@@ -26,7 +26,7 @@ producer samples batch j with `rljax.sampling.interruptible.sample_with_updates`
 mailbox for newer params every `rl.segment_steps` decode steps. When the trainer has published
 a newer version mid-generation, unfinished rows keep their tokens, the KV cache is recomputed
 under the new params and decoding continues; then the sampling program's scoring half
-(`rljax.train.rollout.rollout_from_samples`, the same io_callback verifier) builds the batch.
+(`rljax.stages.rollout.rollout_from_samples`, the same io_callback verifier) builds the batch.
 Each token's behaviour log-prob is the one it was drawn with (`sampler_logp_bt`), and a row's
 version is its oldest token's (`rollout_queue.row_versions`), so eta bounds every token trained.
 Without a swap the batch is bitwise the whole-batch program's.
@@ -59,10 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rljax.drivers.base import Driver
 from rljax.sampling.interruptible import sample_with_updates
-from rljax.sharding import sync_weights
-from rljax.train.iteration import Stages, merge_metrics
-from rljax.train.rollout_queue import (BusyClock, ParamsMailbox, RolloutQueue, Stopped, VersionedBatch, fresh_rows,
+from rljax.sharding import abstract_like, sync_weights
+from rljax.stages.iteration import Stages, merge_metrics
+from rljax.drivers.queue import (BusyClock, ParamsMailbox, RolloutQueue, Stopped, VersionedBatch, fresh_rows,
                                        mixed_version_rows, row_versions)
 from rljax.update import TrainState
 
@@ -175,14 +176,18 @@ def _mask_rows(batch, keep_b):
 _mask_rows_jit = jax.jit(_mask_rows)
 
 
-class OneStepOff:
+class OneStepOff(Driver):
     """`rl.mode = "one_step_off"`: `step(state, it)` trains batch `it` (sampled with theta_{it-1},
-    or theta_0 for batch 0) while it samples batch it+1 with theta_it. See the module docstring."""
+    or theta_0 for batch 0) while it samples batch it+1 with theta_it. See the module docstring.
+    A checkpoint keeps the pending batch (`restore_target`: the sampling program's output shapes
+    for `num_prompts` prompts of `prompt_len` tokens)."""
 
-    def __init__(self, programs: OverlapPrograms, prompts: PromptSource, loop_key: jax.Array):
+    def __init__(self, programs: OverlapPrograms, prompts: PromptSource, loop_key: jax.Array, *,
+                 data=None, callback=None, num_prompts: int = 0, prompt_len: int = 0):
+        super().__init__()
         self.programs, self._prompts, self._keys = programs, prompts, programs.keys(loop_key)
+        self.data, self.callback, self._shape = data, callback, (num_prompts, prompt_len)
         self.pending = None  # (batch, rollout metrics, preview) of the next batch to train
-        self.data_lock = threading.Lock()  # shared interface with AsyncDriver; one thread here
 
     def step(self, state: TrainState, it: int):
         p, keys = self.programs, self._keys
@@ -211,6 +216,11 @@ class OneStepOff:
     def checkpoint_extra(self) -> dict:
         return {"pending": self.pending}
 
+    def restore_target(self, template: TrainState) -> dict:
+        params = abstract_like(jax.eval_shape(TrainState.sampler_params, template),
+                               self.programs.sampler_params_shardings)
+        return {"pending": self.programs.sample_template(params, *self._shape)}
+
     def restore_extra(self, extra: dict) -> None:
         self.pending = extra["pending"]
 
@@ -229,7 +239,7 @@ class TakenBatch:
     version_bc: np.ndarray | None = None  # per-token versions (partial rollouts)
 
 
-class AsyncDriver:
+class AsyncDriver(Driver):
     """`rl.mode = "async"`: a producer thread fills a bounded queue with versioned batches while
     `step(state, it)` trains on the next batch with fresh rows (see the module docstring).
 
@@ -248,15 +258,16 @@ class AsyncDriver:
 
     def __init__(self, programs: OverlapPrograms, prompts: PromptSource, loop_key: jax.Array, *,
                  max_staleness: int, queue_batches: int, rows: int, wait_for_fresh: bool = True,
-                 segment_steps: int = 0):
+                 segment_steps: int = 0, data=None, callback=None):
+        super().__init__()
         self.programs, self._prompts, self._keys = programs, prompts, programs.keys(loop_key)
+        self.data, self.callback = data, callback
         self.max_staleness, self.rows, self.wait_for_fresh = max_staleness, rows, wait_for_fresh
         self.segment_steps = segment_steps
         self._stop = threading.Event()
         self.queue = RolloutQueue(queue_batches, self._stop)
         self._mailbox = ParamsMailbox()
         self._clock = BusyClock()
-        self.data_lock = threading.Lock()  # the prompt iterator is advanced by the producer
         self.next_index = 0  # the next sample index j
         self.restarted = False
         self.taken: collections.deque[TakenBatch] = collections.deque(maxlen=4096)
@@ -331,7 +342,7 @@ class AsyncDriver:
     def row_versions(self, sample, version: int) -> np.ndarray:
         """Each row's policy version, int32 [rows], of a batch sampled whole: the version it was
         sampled with. A partial rollout's rows take their oldest token's version instead
-        (`rljax.train.rollout_queue.row_versions` of `version_bc`)."""
+        (`rljax.drivers.queue.row_versions` of `version_bc`)."""
         del sample
         return np.full((self.rows,), version, np.int32)
 
@@ -387,8 +398,11 @@ class AsyncDriver:
     # ------------------------------------------------------------------ checkpoints and shutdown
 
     def checkpoint_extra(self) -> dict:
-        """The next sample index (read under `data_lock` by the caller, with the data state)."""
+        """The next sample index (read under `data_lock`, with the data state: `Driver.checkpoint`)."""
         return {"next_index": jnp.asarray(self.next_index, jnp.int32)}
+
+    def restore_target(self, template: TrainState) -> dict:
+        return {"next_index": jax.ShapeDtypeStruct((), np.int32, sharding=self.programs.replicated)}
 
     def restore_extra(self, extra: dict) -> None:
         """A resumed run: keys continue after the last drawn batch; the queue starts empty (its
@@ -408,3 +422,5 @@ class AsyncDriver:
                 # exception would hide the one that stopped the run; the daemon thread cannot block exit
                 warnings.warn(f"the async sampler thread did not stop within {JOIN_TIMEOUT_S} s", RuntimeWarning)
             self._thread = None
+
+
