@@ -32,7 +32,7 @@ from rljax.sampling import sample  # noqa: E402
 from rljax.train import setup  # noqa: E402
 from rljax.train.config import load_config  # noqa: E402
 from rljax.stages.iteration import make_iteration  # noqa: E402
-from rljax.train.loop import sample_controls  # noqa: E402
+from rljax.train.run import sample_controls  # noqa: E402
 from rljax.update import RolloutBatch, init_train_state, update_step  # noqa: E402
 
 _COMPILES = []

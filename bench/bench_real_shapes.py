@@ -50,7 +50,7 @@ from rljax.rewards import as_callback  # noqa: E402
 from rljax.sampling import sample  # noqa: E402
 from rljax.train import setup  # noqa: E402
 from rljax.train.config import load_config  # noqa: E402
-from rljax.train.loop import sample_controls  # noqa: E402
+from rljax.train.run import sample_controls  # noqa: E402
 from rljax.update import RolloutBatch, init_train_state, update  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

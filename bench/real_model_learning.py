@@ -63,7 +63,7 @@ def base(args) -> None:
 
     from rljax.sampling import generate
     from rljax.train.config import load_config
-    from rljax.train.loop import build_run
+    from rljax.train.run import build_run
 
     out = tempfile.mkdtemp(prefix="smollm2_base_")
     cfg = load_config(RECIPE, [f"output_dir='{out}'", "metrics.tensorboard=false", *args.override])

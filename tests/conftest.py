@@ -49,7 +49,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/ mirrors the package (tests/<package>/test_<module>.py); its helper modules (factories,
+# stand-ins) live here, and a test module may import another's shared setup by its unique name
+# (`from test_iteration import CONTROLS`), whichever folder pytest reached first.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS] + sorted(os.path.join(_TESTS, d) for d in os.listdir(_TESTS)
+                                 if os.path.isdir(os.path.join(_TESTS, d))
+                                 and any(f.startswith("test_") for f in os.listdir(os.path.join(_TESTS, d))))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,6 +1,6 @@
 """A stand-in training step (plain NLL + AdamW) shared by the sharding tests: one process on
 simulated devices, compiled with explicit shardings for each named layout. The two-process test
-(tests/test_multihost.py) runs the real `rljax train` instead."""
+(tests/train/test_multihost.py) runs the real `rljax train` instead."""
 
 from __future__ import annotations
 

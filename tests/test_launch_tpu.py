@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from test_train import TINY
+from test_loop import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "launch_fakes"

@@ -1,4 +1,4 @@
-"""One side of tests/test_transport.py's two-process run (process 0: trainer, 1: sampler).
+"""One side of tests/sharding/test_transport.py's two-process run (process 0: trainer, 1: sampler).
 
 The trainer publishes params versions 0..K-1 on the latest-value channel "weights" and takes
 rollout k from the queue channel "rollouts" before publishing version k+1; the sampler pulls the

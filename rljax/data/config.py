@@ -12,10 +12,12 @@ from rljax.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class SourceSection:
-    """One task of a mixture (`[[data.sources]]`).
+    """One task source: an entry of `[[data.sources]]`, or a single-source run's keys
+    (`DataSection.single`: a single source is a mixture of one).
 
     kind: `reasoning_gym` (task + task_kwargs at difficulty `level`), `jsonl` or `parquet` (path +
-    fields). `weight` weighs it for `uniform` and `band`; `verifier` grades it (default: the
+    fields), or (single source only) `tfds` (tfds_name + tfds_data_dir + tfds_split). `eval_path`
+    (single source only) reads the held-out split from a JSONL file instead of splitting. `weight` weighs it for `uniform` and `band`; `verifier` grades it (default: the
     `[reward]` kind); `name` labels its metrics and routes its reward (default: the task, with
     `@L{level}` when the level is not 0, or the file's stem). `size` training problems and
     `eval_size` held-out ones; `prompt_template` defaults to `data.prompt_template`.
@@ -29,7 +31,7 @@ class SourceSection:
     `rljax.data.mixture.FreshStream`.
     """
 
-    kind: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    kind: Literal["reasoning_gym", "jsonl", "parquet", "tfds"] = "reasoning_gym"
     name: str | None = None
     task: str = "chain_sum"
     task_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -43,9 +45,13 @@ class SourceSection:
     fresh: bool = False
     fresh_draws: Literal["distinct", "iid"] = "distinct"
     prompt_template: str | None = None
+    tfds_name: str | None = None
+    tfds_data_dir: str | None = None
+    tfds_split: str = "train"
+    eval_path: str | None = None
 
     def __post_init__(self):
-        if self.kind != "reasoning_gym" and self.path is None:
+        if self.kind in ("jsonl", "parquet") and self.path is None:
             raise ConfigError(f"data.sources: a {self.kind} source needs path = '...'")
         if self.fresh and self.kind != "reasoning_gym":
             raise ConfigError(f"data.sources: fresh = true needs a reasoning_gym source, not {self.kind}; "
@@ -103,9 +109,21 @@ class DataSection:
         from rljax.data.selection import POLICIES
 
         POLICIES.get(self.selection)  # an unknown name: one line listing the registered ones
+        for s in self.sources:
+            if s.kind == "tfds" or s.eval_path:
+                raise ConfigError("data.sources: a tfds source and eval_path are single-source settings; list "
+                                  "reasoning_gym, jsonl or parquet sources, each split by its own eval_size")
         labels = [s.label for s in self.sources]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"data.sources names {labels} repeat; give each source a distinct name = '...'")
+
+    @property
+    def single(self) -> SourceSection:
+        """The single-source keys as the one `SourceSection` they describe."""
+        return SourceSection(kind=self.source, task=self.task, task_kwargs=self.task_kwargs, path=self.path,
+                             fields=self.fields, size=self.size, eval_size=self.eval_size,
+                             prompt_template=self.prompt_template, tfds_name=self.tfds_name,
+                             tfds_data_dir=self.tfds_data_dir, tfds_split=self.tfds_split, eval_path=self.eval_path)
 
     @property
     def is_mixture(self) -> bool:

@@ -17,7 +17,7 @@ that is the whole gap (about 1e-6 nats). In bf16 compute the residual stream, no
 results stay in f32 (`hidden_states`), so a last-bit difference matters only where it straddles
 the bf16 rounding of a matmul operand (probability about 2^-16 per element); then it moves that
 operand by one bf16 ulp, and the token's log-prob by as much as that ulp moves the rest of the
-forward. The stated bound, tested on a 4-layer model (tests/test_bf16_agreement.py): mean gap
+forward. The stated bound, tested on a 4-layer model (tests/models/test_bf16_agreement.py): mean gap
 <= 1e-4 nats, max <= 2e-3 nats, most tokens equal to f32 rounding. A flip moves more in a deeper,
 wider model: for 8 layers of width 512 the bound is mean <= 6e-4, max <= 6e-3
 (bench/bf16_agreement.py and BENCHMARKS.md hold the measurements); the mean falls 4-10,000x

@@ -42,8 +42,6 @@ import time
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from rljax.models.setup import build_tokenizer, policy_config
 from rljax.rewards.config import build_reward
@@ -51,7 +49,6 @@ from rljax.sharding.placement import build_layouts
 from rljax.models import ModelConfig
 from rljax.rewards import as_callback
 from rljax.sharding import Layout, abstract_like
-from rljax.sharding.rules import batch_axes
 from rljax.stages.iteration import make_iteration
 from rljax.stages.rollout import rollout
 from rljax.update.abstract import abstract_train_state
@@ -165,8 +162,8 @@ def prompt_width(cfg: RunConfig) -> int:
     return max(cfg.data.prompt_buckets or (cfg.data.max_prompt_tokens,))
 
 
-def _rows_sharding(layout: Layout | None, rows: int):
-    return None if layout is None else NamedSharding(layout.mesh, P(batch_axes(layout.mesh, rows)))
+def _rows(layout: Layout | None, rows: int):
+    return None if layout is None else layout.rows(rows)
 
 
 def _controls(cfg: RunConfig, model_cfg: ModelConfig, tokenizer):
@@ -241,10 +238,10 @@ class _Pieces:
         key = _key(layout)
         if layout is None:
             return ProgramMemory.compile(jax.jit(self.sample_program), self.params, *self.prompts, key)
-        prompts_in = _rows_sharding(layout, self.prompts[0].shape[0])
+        prompts_in = _rows(layout, self.prompts[0].shape[0])
         jitted = jax.jit(self.sample_program,
                          in_shardings=(_shardings(self.params), prompts_in, prompts_in, prompts_in, layout.replicated),
-                         out_shardings=(_rows_sharding(layout, self.rows), layout.replicated, layout.replicated))
+                         out_shardings=(_rows(layout, self.rows), layout.replicated, layout.replicated))
         return ProgramMemory.compile(jitted, self.params, *self.prompts, key)
 
     def update_memory(self) -> ProgramMemory:
@@ -259,7 +256,7 @@ class _Pieces:
         key = _key(self.trainer)
         if self.trainer is None:
             return ProgramMemory.compile(jax.jit(update_program, donate_argnums=(0,)), self.state, batch, key)
-        state_sh, batch_sh = _shardings(self.state), _rows_sharding(self.trainer, self.rows)
+        state_sh, batch_sh = _shardings(self.state), _rows(self.trainer, self.rows)
         batch = abstract_like(batch, jax.tree.map(lambda _: batch_sh, batch))
         jitted = jax.jit(update_program, donate_argnums=(0,), in_shardings=(state_sh, batch_sh, self.trainer.replicated),
                          out_shardings=(state_sh, self.trainer.replicated))
@@ -308,7 +305,7 @@ def abstract_state_in(cfg: RunConfig, model_cfg: ModelConfig, layout: Layout | N
 def abstract_prompts(cfg: RunConfig, layout: Layout | None) -> tuple[Any, Any, Any]:
     """(tokens, mask, example index) of one iteration's prompts, rows over the batch axes."""
     p, w = cfg.rl.num_prompts, prompt_width(cfg)
-    sh = _rows_sharding(layout, p)
+    sh = _rows(layout, p)
     return (jax.ShapeDtypeStruct((p, w), jax.numpy.int32, sharding=sh),
             jax.ShapeDtypeStruct((p, w), jax.numpy.bool_, sharding=sh),
             jax.ShapeDtypeStruct((p,), jax.numpy.int32, sharding=sh))

@@ -34,7 +34,7 @@ ignores keys at position -1, so the old keys and values that stay in memory are 
 Same tokens as static. Row r draws token t from the uniform of fold_in(fold_in(key, r), t) and
 sees only its own prompt and tokens, so which slot decodes it, and when, changes nothing: the
 tokens, log-probs, masks and finish reasons equal the static scheduler's for any slot count
-(tests/test_continuous.py checks it bitwise on CPU). On backends whose matmul kernels depend on
+(tests/sampling/test_continuous.py checks it bitwise on CPU). On backends whose matmul kernels depend on
 the batch size the per-row logits can differ in the last bit; `slots = rows` then reproduces
 static batching's shapes.
 

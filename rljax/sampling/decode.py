@@ -12,7 +12,7 @@ computed by the trainer's own `rljax.models.logprobs_from_logits` on the decode 
 sampler and the trainer score a token with the same function. They still run different programs
 (a KV-cached decode step against a full-sequence forward), so a PPO ratio starts at 1 only up to
 rounding: within about 1e-5 in float32, and in bfloat16 compute (f32 residual stream, bf16
-matmul operands) within the bound `rljax.models.scoring` states and tests/test_bf16_agreement.py
+matmul operands) within the bound `rljax.models.scoring` states and tests/models/test_bf16_agreement.py
 checks (mean <= 1e-4, max <= 2e-3 nats on the test model).
 `sampling_logprobs` is the log-probability under the tempered, filtered distribution the token
 was drawn from (0 for greedy).

@@ -24,7 +24,7 @@ applied on the host with a marker) bounds that.
 Log-probs and keys are the static sampler's: `rljax.sampling.decode.draw` (the trainer's formula
 on the raw logits) with column s of row r drawn from fold_in(fold_in(key, r), s), so the same key
 gives the same episodes, and a model token's log-prob equals the trainer's score of the whole
-conversation (tests/test_multiturn.py checks 1e-5 in f32).
+conversation (tests/sampling/test_multiturn.py checks 1e-5 in f32).
 
 Two drivers share `advance` and `apply_env`:
 

@@ -42,7 +42,7 @@ Attention, by backend (`use_pallas_kernel`).
               (`jax.experimental.pallas.ops.tpu.paged_attention`, via `tpu_paged_attention` and
               the model's `kv_attend` hook). The kernel runs on CPU under
               `pltpu.force_tpu_interpret_mode()`, where its matmuls round like the TPU's default
-              precision; tests/test_paged.py checks the step against the gather step there. It
+              precision; tests/sampling/test_paged.py checks the step against the gather step there. It
               has not run on a TPU here.
 
 Memory. Persistent KV: pages x page_size tokens per layer plus the prompt pool (every prompt

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from rljax.errors import DataError
 from rljax.models import ModelConfig, unstack_layers
@@ -39,6 +38,7 @@ from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling import paged as PG
 from rljax.sampling.controls import SampleControls, StaticControls
+from rljax.sharding import rules
 from rljax.sharding.rules import batch_axes
 from rljax.tokenizers import check_token_ids
 
@@ -81,8 +81,7 @@ def rows_sharding(params, rows: int) -> NamedSharding | None:
     if (sharding is None or sharding.mesh.size == 1 or not sharding.is_fully_addressable
             or any(t != AxisType.Auto for t in sharding.mesh.axis_types)):
         return None
-    axes = batch_axes(sharding.mesh, rows)
-    return None if axes is None else NamedSharding(sharding.mesh, P(axes))
+    return None if batch_axes(sharding.mesh, rows) is None else rules.rows_sharding(sharding.mesh, rows)
 
 
 def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, key: jax.Array,

@@ -20,7 +20,7 @@ outputs (`tokens_rn`, `logp_rn`, `sampling_logp_rn`, `length_r`, `finish_r`) and
 which `empty_slots` creates and `slot_result` reads. Row r draws token t from the uniform of
 fold_in(fold_in(key, r), t) (`rljax.sampling.decode.draw`), so which slot, layout or step decodes
 it changes nothing: the one copy of this arithmetic is what keeps both layouts bitwise equal to
-the static scheduler (tests/test_continuous.py, tests/test_paged.py).
+the static scheduler (tests/sampling/test_continuous.py, tests/sampling/test_paged.py).
 
 Writes to idle or refused slots go to index S (rows: to B * n), which `mode="drop"` skips: the
 scatters keep fixed shapes inside the loop.

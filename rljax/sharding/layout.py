@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rljax.sharding.rules import (
+    rows_sharding,
     DEFAULT_RULES,
     Rule,
     batch_shardings,
@@ -55,6 +56,10 @@ class Layout:
 
     def cache(self, cache):
         return cache_shardings(cache, self.mesh)
+
+    def rows(self, size: int) -> NamedSharding:
+        """Where a batch of `size` rows lives (`rljax.sharding.rules.rows_sharding`)."""
+        return rows_sharding(self.mesh, size)
 
     @property
     def replicated(self) -> NamedSharding:

@@ -148,6 +148,11 @@ def batch_axes(mesh: Mesh, size: int) -> tuple[str, ...] | str | None:
     return None
 
 
+def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    """`rows` rows (a batch's leading dim) over `batch_axes`; replicated when no batch axis divides."""
+    return NamedSharding(mesh, P(batch_axes(mesh, rows)))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a batch (or activation) array: leading dim over data x fsdp."""
     return NamedSharding(mesh, P(BATCH_AXES))

@@ -34,11 +34,9 @@ from typing import Any, Callable
 
 import jax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from rljax.sampling import SampleControls
 from rljax.sharding import Layout, sync_weights
-from rljax.sharding.rules import batch_axes
 from rljax.stages.rollout import rollout, rollout_from_samples
 from rljax.update import TrainState, update
 
@@ -174,9 +172,6 @@ def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups
     cfg, needs = state.model_cfg, state.algo.needs
     rows = num_groups * controls.num_samples
 
-    def rows_sharding(layout: Layout, size: int) -> NamedSharding:
-        return NamedSharding(layout.mesh, P(batch_axes(layout.mesh, size)))
-
     sampler_params_sh = sampler.params(jax.eval_shape(TrainState.sampler_params, state))
     state_shardings = trainer.tree(state)
     # LoRA: the sampler's copy is the base with the adapters merged, built in the trainer layout
@@ -184,17 +179,17 @@ def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups
 
     sample_program, update_program = _stage_programs(roll, cfg, needs)
 
-    prompts_in = rows_sharding(sampler, num_prompts)
+    prompts_in = sampler.rows(num_prompts)
     sample_jit = jax.jit(sample_program,
                          in_shardings=(sampler_params_sh, prompts_in, prompts_in, prompts_in, sampler.replicated),
-                         out_shardings=(rows_sharding(sampler, rows), sampler.replicated, sampler.replicated))
-    batch_sh = rows_sharding(trainer, rows)  # every RolloutBatch leaf is [rows, ...]
+                         out_shardings=(sampler.rows(rows), sampler.replicated, sampler.replicated))
+    batch_sh = trainer.rows(rows)  # every RolloutBatch leaf is [rows, ...]
     update_jit = jax.jit(update_program, donate_argnums=(0,),
                          in_shardings=(state_shardings, batch_sh, trainer.replicated),
                          out_shardings=(state_shardings, trainer.replicated))
     score = _score_fn(controls, reward_callback, num_groups, dynamic_sampling)
     score_jit = jax.jit(lambda *args: score(cfg, needs, *args),  # inputs already on the sampler's mesh
-                        out_shardings=(rows_sharding(sampler, rows), sampler.replicated, sampler.replicated))
+                        out_shardings=(sampler.rows(rows), sampler.replicated, sampler.replicated))
 
     return _SplitPrograms(to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh, prompts_in, controls, cfg,
                           score_jit)

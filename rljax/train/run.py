@@ -9,12 +9,22 @@ the held-out evaluator, the metrics writer and the checkpointer. A driver
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from etils import epath
 
 from rljax.checkpoint import Checkpointer
+from rljax.data.example import Example
+from rljax.data.templates import PromptFormat
+from rljax.envs.base import Environment
+from rljax.lora import LoraConfig
+from rljax.models import ModelConfig
+from rljax.models.auxiliary import FrozenModel
+from rljax.models.transformer import Params
+from rljax.rewards import RewardFn
+from rljax.rewards.learned import LearnedReward
+from rljax.tokenizers import Tokenizer
 from rljax.data.mixture import MixtureSampler
 from rljax.data.pipeline import PromptData, prompt_batches
 from rljax.data.replay import ReplayBuffer
@@ -44,14 +54,14 @@ class Run:
     keys: dict[str, jax.Array]  # init, warm, loop
     trainer_layout: Layout | None
     sampler_layout: Layout | None
-    tokenizer: Any
-    model_cfg: Any
-    params: Any  # the initial policy (before any warm start)
-    lora: Any  # the LoRA config (None: every weight trains)
-    adapters: Any  # LoRA adapters to start from (a PEFT adapter); None: fresh ones
-    train_set: tuple
-    fmt: Any
-    reward_fn: Any
+    tokenizer: Tokenizer
+    model_cfg: ModelConfig
+    params: Params  # the initial policy (before any warm start)
+    lora: LoraConfig | None  # None: every weight trains
+    adapters: dict | None  # LoRA adapters to start from (a PEFT adapter); None: fresh ones
+    train_set: tuple[Example, ...]
+    fmt: PromptFormat
+    reward_fn: RewardFn
     data: PromptData | None  # the single-source pipeline (None when host-steered)
     sampler: MixtureSampler | None  # the host-steered run's mixture (None: the pipeline)
     replay: ReplayBuffer | None
@@ -61,9 +71,9 @@ class Run:
     writer: MetricsWriter
     ckpt: Checkpointer
     log: Callable[[str], None]
-    env: Any = None  # the `[env]` section's environment (multi-turn episodes), or None
-    teacher: Any = None  # the frozen distillation teacher (`rljax.models.FrozenModel`), or None
-    reward_model: Any = None  # the learned reward (`rljax.rewards.learned.LearnedReward`), or None
+    env: Environment | None = None  # the `[env]` section's environment (multi-turn episodes)
+    teacher: FrozenModel | None = None  # the frozen distillation teacher
+    reward_model: LearnedReward | None = None  # the learned reward
 
     @property
     def examples(self):
@@ -158,5 +168,6 @@ def abstract_train_state(run: Run) -> TrainState:
     """The fresh state's shapes, dtypes and trainer-layout shardings, allocating nothing (the
     restore target, so orbax reads each process's shards straight into place; the drivers'
     programs are built from it): `rljax.update.abstract_train_state`, placed."""
-    state = abstract_state(run.cfg, run.model_cfg)
+    state = abstract_state(run.cfg, run.model_cfg, params=run.params, lora=run.lora, adapters=run.adapters,
+                           teacher=run.teacher, reward_model=run.reward_model)
     return state if run.trainer_layout is None else abstract_like(state, run.trainer_layout.tree(state))

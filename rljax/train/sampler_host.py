@@ -10,8 +10,6 @@ from rljax.data.example import verifier_metadata
 from rljax.data.pipeline import prompt_batches
 from rljax.drivers.overlap import OverlapPrograms
 from rljax.drivers.remote import RemoteSampler, sampler_params_like
-from rljax.lora.setup import build_lora
-from rljax.models import init_params
 from rljax.models.setup import build_tokenizer, policy_config
 from rljax.rewards import as_callback
 from rljax.sharding import abstract_like
@@ -20,7 +18,7 @@ from rljax.sharding.transport import Transport
 from rljax.stages.iteration import make_stages
 from rljax.train.config import TrainConfig
 from rljax.train.setup import build_reward, build_splits, prompt_format
-from rljax.update import init_train_state
+from rljax.update.abstract import abstract_train_state
 
 
 def run_sampler(cfg: TrainConfig, *, log=print) -> int:
@@ -29,15 +27,10 @@ def run_sampler(cfg: TrainConfig, *, log=print) -> int:
     the trainer stops. Returns how many batches it put."""
     roles = Roles.from_mesh(cfg.mesh)
     trainer_layout, sampler_layout = build_layouts(cfg.mesh)
-    k_init, _, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
+    _, _, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
     tokenizer = build_tokenizer(cfg.model)
     model_cfg = policy_config(cfg.model, tokenizer)
-    lora, adapters = build_lora(cfg.lora, model_cfg)
-    abstract_params = jax.eval_shape(lambda: init_params(model_cfg, k_init))
-    abstract_adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), adapters)
-    state = jax.eval_shape(lambda p, a: init_train_state(model_cfg, p, cfg.algorithm, cfg.optim, update_cfg=cfg.update,
-                                                         shaping=cfg.shaping, lora=lora, adapters=a),
-                           abstract_params, abstract_adapters)
+    state = abstract_train_state(cfg, model_cfg)
     state = abstract_like(state, trainer_layout.tree(state))
     train_set, _, _ = build_splits(cfg.data)
     data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=cfg.rl.prompts_per_iteration, seed=cfg.data.seed,

@@ -42,19 +42,20 @@ def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Examp
     if section.sources:
         sources = build_sources(section)
         return interleave(s.train for s in sources), tuple(e for s in sources for e in s.held_out), 0
-    if section.source == "reasoning_gym":
-        src = load_task("reasoning_gym", name=section.task, size=section.size + section.eval_size,
-                        seed=section.seed, **section.task_kwargs)
-    elif section.source in ("jsonl", "parquet"):
-        src = load_task(section.source, path=section.path, fields=section.fields)
+    one = section.single
+    if one.kind == "reasoning_gym":
+        src = load_task("reasoning_gym", name=one.task, size=one.size + one.eval_size, seed=section.seed,
+                        **one.task_kwargs)
+    elif one.kind in ("jsonl", "parquet"):
+        src = load_task(one.kind, path=one.path, fields=one.fields)
     else:
-        src = load_task("tfds", name=section.tfds_name, data_dir=section.tfds_data_dir,
-                        split=section.tfds_split, fields=section.fields)
-    if section.eval_path:
-        held = load_task("jsonl", path=section.eval_path, fields=section.fields).examples[:section.eval_size]
+        src = load_task("tfds", name=one.tfds_name, data_dir=one.tfds_data_dir, split=one.tfds_split,
+                        fields=one.fields)
+    if one.eval_path:
+        held = load_task("jsonl", path=one.eval_path, fields=one.fields).examples[:one.eval_size]
         train, _ = drop_overlap(src.examples, held)
     else:
-        train, held = heldout_split(src.examples, section.eval_size, seed=section.seed)
+        train, held = heldout_split(src.examples, one.eval_size, seed=section.seed)
     return train, held, src.num_skipped
 
 
@@ -77,9 +78,7 @@ def mixture_sections(section: DataSection) -> tuple[SourceSection, ...]:
     if section.source not in ("reasoning_gym", "jsonl", "parquet"):
         raise ConfigError(f"data.source={section.source!r} cannot be a mixture source; list it under "
                           "[[data.sources]] as reasoning_gym, jsonl or parquet")
-    return (SourceSection(kind=section.source, task=section.task, task_kwargs=section.task_kwargs, path=section.path,
-                          fields=section.fields, size=section.size, eval_size=section.eval_size,
-                          prompt_template=section.prompt_template),)
+    return (section.single,)
 
 
 def build_sources(section: DataSection) -> tuple[MixtureSource, ...]:

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rljax import rewards
 from rljax.errors import ConfigError
 from rljax.rewards.pool import Task, VerifierPool
-from test_rewards_helpers import crash, imported, slow
+from misbehaving_verifiers import crash, imported, slow
 
 ALPHABET = "0123456789<>/abcdefghijklmnopqrstuvwxyz{}\\ ."
 
@@ -98,7 +98,7 @@ def test_new_workers_import_the_verifiers_libraries_before_their_first_task():
     import (0.24 s of CPU; seconds under load).
 
     Catches: the import left to the first `MathAnswer` call, which timed out at a 1.5 s limit in
-    workers respawned under load (tests/test_multiturn.py's failing-tools test, at load 6-7)."""
+    workers respawned under load (tests/sampling/test_multiturn.py's failing-tools test, at load 6-7)."""
     with VerifierPool(1) as fresh:
         assert fresh.run([Task(imported, ("math_verify",), 60.0)])[0].value is True
 

@@ -31,7 +31,7 @@ from rljax.train.config import load_config
 from rljax.stages.iteration import make_iteration
 from rljax.update import init_train_state
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=1", "model.num_heads=2",
         "model.num_kv_heads=1", "model.head_dim=32", "rl.prompts_per_iteration=8", "sampling.num_samples=2",
         "sampling.max_new_tokens=4", "data.max_prompt_tokens=8"]

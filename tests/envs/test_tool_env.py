@@ -3,7 +3,7 @@ observations through the verifier pool, SimpleTIR's void-turn filter, and the au
 mask against NumPy references.
 
 This module imports no jax at its top: pool workers may import it to unpickle its tools and hooks
-(the misbehaving tool lives in the lighter test_envs_helpers.py).
+(the misbehaving tool lives in the lighter misbehaving_tools.py).
 """
 
 import os
@@ -17,8 +17,8 @@ from rljax import envs
 from rljax.envs import ENV, MODEL, PAD, PROMPT, FORMATS, ToolEnv
 from rljax.errors import ConfigError
 from rljax.rewards import MathAnswer, SandboxLimits, VerifierPool
-from test_envs_helpers import MisbehavingTool
-from test_rewards_sandbox import ATTACKS
+from misbehaving_tools import MisbehavingTool
+from test_sandbox import ATTACKS
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=2.0, memory_mb=256, output_bytes=1 << 14, total_s=4.0)
 

@@ -15,9 +15,12 @@ from rljax.cli import main
 from rljax.lora import attach, load_peft
 from rljax.models import forward, load_hf
 from rljax.train.config import load_config
-from rljax.train.loop import build_run, initial_state, new_train_state, train
+from rljax.drivers import DRIVERS
+from rljax.train.loop import train
+from rljax.train.run import abstract_train_state, build_run, new_train_state
+from rljax.train.start import initial_state
 
-from test_train import TINY
+from test_loop import TINY
 
 LORA_RUN = TINY + ["lora.rank=4", "lora.alpha=8", "lora.targets=['.*']", "warm_start.steps=10", "rl.iterations=2",
                    "rl.prompts_per_iteration=8", "eval.every=100", "checkpoint.every=2", "mesh.devices=1"]
@@ -65,7 +68,8 @@ def test_resume_restores_and_a_peft_adapter_continues(lora_run, tmp_path):
     restore that reinitialises the adapters, or `lora.adapter` ignored (fresh B = 0)."""
     cfg = load_config(None, LORA_RUN + [f"output_dir='{lora_run.output_dir}'"])
     run = build_run(cfg, resume=True, log=lambda *_: None)
-    state, start, _, _ = initial_state(run, resume=True)
+    template = abstract_train_state(run)
+    state, start, _ = initial_state(run, DRIVERS[cfg.driver].build(run, template), template, resume=True)
     assert start == 2
     for got, ref in zip(jax.tree.leaves((state.adapters, state.opt_state)),
                         jax.tree.leaves((lora_run.state.adapters, lora_run.state.opt_state)), strict=True):

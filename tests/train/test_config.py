@@ -117,7 +117,7 @@ def test_missing_config_file_is_clear(tmp_path):
 def test_a_wheel_install_has_the_recipes(tmp_path):
     """A non-editable install (the wheel the launch scripts ship) loads the default job and the
     recipes by name: they are package data. Fails if the recipes lived only in the checkout."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(root),
                     "-w", str(tmp_path / "wheel")], check=True, capture_output=True, timeout=300,
                    cwd=tmp_path)

@@ -1,7 +1,7 @@
 """LoRA on the functional model (rljax.lora): fresh adapters change nothing, the unmerged forward
 equals the merged weights on the full-sequence and the KV-cached paths, targets resolve by
 pattern, dropout runs only with a key, and a PEFT directory that rljax cannot reproduce is one
-error line. Parity with peft itself is tests/test_lora_peft.py; training, tests/test_lora_train.py."""
+error line. Parity with peft itself is tests/lora/test_peft_io.py; training, tests/lora/test_weight.py."""
 
 import functools
 import json

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_envs_helpers import MisbehavingTool
+from misbehaving_tools import MisbehavingTool
 
 import rljax.models as M
 from rljax import envs

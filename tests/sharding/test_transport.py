@@ -14,7 +14,7 @@ import pytest
 
 from rljax.sharding.transport import transfer_id
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where transport_peer.py is
 
 
 def _free_port() -> int:

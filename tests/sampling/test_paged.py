@@ -25,7 +25,7 @@ def _ragged(seed, lengths, width, vocab):
     return np.where(mask, tokens, 0), mask
 
 
-# The prompts and controls of tests/test_continuous.py, so the static reference is the same program
+# The prompts and controls of tests/sampling/test_continuous.py, so the static reference is the same program
 # (a hit in the suite's XLA cache when both files run).
 PROMPT_LENS = [6, 9, 3, 1, 7]
 PROMPTS = _ragged(0, PROMPT_LENS, 9, 128)

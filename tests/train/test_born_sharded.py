@@ -24,7 +24,7 @@ from rljax.train import run as run_mod
 from rljax.train import start as start_mod
 from rljax.train.config import load_config
 from rljax.update import init_train_state
-from test_train import TINY
+from test_loop import TINY
 
 # V x D embedding is 2 MiB of the model's 2.3 MiB: a whole copy of it anywhere is visible.
 _CFG = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -32,7 +32,7 @@ from rljax.train import setup
 from rljax.train.config import load_config
 from rljax.train.run import sample_controls
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # One-digit sums, a short warm start (held-out greedy accuracy 7/32 with these seeds, so the
 # accuracy comparisons below are not 0 == 0), then one GRPO iteration: about 20 s on 2 cores.

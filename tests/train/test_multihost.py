@@ -17,7 +17,7 @@ from rljax import sharding
 from rljax.checkpoint import Checkpointer
 from rljax.train.config import load_config
 from rljax.train.loop import train
-from test_train import TINY
+from test_loop import TINY
 
 _TIMEOUT_S = 300
 # DP=2 x FSDP=2 x TP=2: the data axis spans the two processes (each loads its half of every batch).
@@ -74,7 +74,7 @@ def test_two_process_rljax_train_equals_one_process_and_checkpoint_restores_in_o
     """Two processes (each loading only its rows, rewards verified by the io_callback on process 0)
     run 2 iterations of `rljax train` (one fused program per iteration) and give the metrics,
     params and Adam state (<= 1e-5) of one 8-device process, run here with the split sampler layout
-    (itself equal to the fused program: tests/test_train.py; it compiles faster). Only process 0
+    (itself equal to the fused program: tests/train/test_loop.py; it compiles faster). Only process 0
     writes metrics: one row per step. The checkpoint both processes wrote collectively restores
     here, into another layout (FSDP=8)."""
     procs = _start_train(tmp_path / "two")

@@ -65,7 +65,7 @@ def test_sampler_and_trainer_logprobs_agree(run):
 def test_export_loads_in_transformers_with_equal_logits(run, tmp_path):
     """`rljax export RUN OUT` writes a directory that transformers' AutoModelForCausalLM and
     AutoTokenizer load; its logits equal ours from the checkpoint within 1e-4 relative to the
-    logit scale (2e-4 absolute, the f32 floor of a 30-layer model: see tests/test_gguf.py), and
+    logit scale (2e-4 absolute, the f32 floor of a 30-layer model: see tests/models/test_gguf.py), and
     its tokenizer renders and encodes the chat prompt as ours. Fails for a checkpoint or export
     that loses the trained weights, the tied head or the tokenizer."""
     import torch

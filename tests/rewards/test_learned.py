@@ -177,7 +177,7 @@ def test_pairwise_loss_equals_numpy_on_a_fixed_batch():
     assert np.ptp(diff) > 0.1
 
 
-TINY_RUN = DISTILL_TINY_RUN + ["algorithm.kl_coef=0"]  # tests/test_distill.py's tiny run, no KL reference
+TINY_RUN = DISTILL_TINY_RUN + ["algorithm.kl_coef=0"]  # tests/objectives/test_distill.py's tiny run, no KL reference
 RM_WIDTH = 48  # the reward model's width, unlike the policy's: its head is f32[48,1] in the program
 
 

@@ -30,7 +30,7 @@ from rljax.update import init_train_state
 from test_overlap import (ALGO, CFG, CONTROLS, LOOP_KEY, OPTIM, ROWS, P, T, drive, prompts_at,
                           reward_callback)
 
-# the model, controls, reward and prompt stream of tests/test_overlap.py
+# the model, controls, reward and prompt stream of tests/drivers/test_overlap.py
 STEPS = 3
 
 
