@@ -155,7 +155,7 @@ def test_setup_cell_installs_with_the_projects_constraints(tmp_path, monkeypatch
     assert _resolve_install(tmp_path, monkeypatch, source=str(wheel)) == [
         f'install -q "{wheel}[gcs]" -c "{checkout}/constraints.txt"']
     raw = "https://raw.githubusercontent.com/you/rljax"
-    for url, pinned in ((f"git+https://github.com/you/rljax.git@v0.2", f"{raw}/v0.2/constraints.txt"),
+    for url, pinned in (("git+https://github.com/you/rljax.git@v0.2", f"{raw}/v0.2/constraints.txt"),
                         ("git+https://github.com/you/rljax", f"{raw}/HEAD/constraints.txt")):
         assert _resolve_install(tmp_path, monkeypatch, source=url) == [
             f'install -q "rljax[gcs] @ {url}" -c "{pinned}"']

@@ -39,6 +39,7 @@ class Driver:
     fused: bool = False
     data: Any = None
     callback: Any = None
+    resume_note: str | None = None  # what a resumed run should be told (`restore` returns it)
 
     def __init__(self) -> None:
         self.data_lock = threading.Lock()  # an async producer advances the prompt source
@@ -51,11 +52,13 @@ class Driver:
         with self.data_lock:
             return DriverState(self.data.get_state(), self.checkpoint_extra())
 
-    def restore(self, saved: DriverState) -> None:
-        """A resumed run, before its first step: the prompt source at the batch after the checkpoint."""
+    def restore(self, saved: DriverState) -> str | None:
+        """A resumed run, before its first step: the prompt source at the batch after the
+        checkpoint, the driver's arrays; returns a line for the run's log, or None."""
         self.data.set_state(saved.data_state)
         if saved.arrays:
             self.restore_extra(saved.arrays)
+        return self.resume_note
 
     def restore_target(self, template) -> dict:
         """The abstract shapes (with shardings) of `checkpoint_extra`'s arrays, for orbax; {}: none."""

@@ -96,6 +96,18 @@ def _round_metrics(per_round: list[dict]) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass
+class _Rounds:
+    """What a step's sampling rounds produced: their batches (on the host), draws and rollout
+    metrics, the first round's preview, and the resampler that decided when to stop (or None)."""
+
+    batches: list
+    drawn: list
+    rollout_metrics: list
+    preview: Any
+    resampler: RoundResampler | None
+
+
 class HostBatcher:
     """One host-steered iteration (module doc): `step(state, key) -> (state, metrics, preview)`."""
 
@@ -108,27 +120,8 @@ class HostBatcher:
         self.last_task_ids_g: np.ndarray | None = None  # the groups the update saw, for tests and logs
 
     def step(self, state, key) -> tuple[Any, dict[str, float], Any]:
-        rs = RoundResampler(num_groups=self.num_groups, round_size=self.rounds.round_size,
-                            max_rounds=self.rounds.max_rounds) if self.rounds.filter else None
-        batches, drawn_all, rollout_m, selection_m, preview = [], [], [], [], None
-        while True:
-            drawn = self.sampler.draw(self.rounds.round_size)
-            p = drawn.prompts
-            k_round = key if not batches else jax.random.fold_in(key, len(batches))
-            batch_r, metrics_r, preview_r = self.stages.sample(state, p.tokens_bt, p.mask_bt,
-                                                               p.indices_b.astype(np.int32), k_round)
-            batch_r = jax.device_get(batch_r)
-            batches.append(batch_r)
-            drawn_all.append(drawn)
-            rollout_m.append(jax.device_get(metrics_r))
-            selection_m.append(drawn.metrics)
-            preview = preview_r if preview is None else preview
-            if rs is None:
-                break
-            baseline_r = None if batch_r.baseline_rewards_b is None else np.asarray(batch_r.baseline_rewards_b)[::self.n]
-            rs.add_round(np.asarray(batch_r.rewards_b).reshape(-1, self.n), baseline_r)
-            if rs.done:
-                break
+        rounds = self._sample_rounds(state, key)
+        batches, drawn_all, rs = rounds.batches, rounds.drawn, rounds.resampler
         task_ids_s = np.concatenate([d.task_ids_b for d in drawn_all])  # every sampled group
         prompt_ids_s = sum((d.prompt_ids for d in drawn_all), ())
         rewards_sn = np.concatenate([np.asarray(b.rewards_b) for b in batches]).reshape(-1, self.n)
@@ -138,27 +131,56 @@ class HostBatcher:
             sel = rs.result()
             indices_g, valid_g, spend = sel.indices_g, sel.valid_g, sel.spend.metrics()
         batch = gather_groups(batches, indices_g, valid_g, self.n)
-        prompt_ids_g = [prompt_ids_s[i] for i in indices_g]
-        replay_m = {}
-        if self.replay is not None:
-            fresh = batch
-            mixed = mix_into_batch(batch, self.replay, prompt_ids_g=prompt_ids_g, fraction=self.replay_fraction)
-            batch = mixed.batch
-            self.replay.add(prompt_ids_g, fresh.tokens_bt, fresh.attn_mask_bt, fresh.loss_mask_bt,
-                            fresh.sampler_logp_bt, fresh.rewards_b)
-            replay_m = {**mixed.metrics, **self.replay.metrics()}
+        batch, replay_m = self._replay(batch, [prompt_ids_s[i] for i in indices_g])
         state, train_metrics = self.stages.update(state, batch, key)
         self.sampler.observe(task_ids_s, group_stats(rewards_sn, host_advantages(rewards_sn), prompt_ids_s,
                                                      self.correct_threshold))
         self.last_task_ids_g = task_ids_s[indices_g]
+        metrics = merge_metrics(_round_metrics(rounds.rollout_metrics), spend, task_metrics(
+            self.sampler.names, task_ids_s, rewards_sn, self.correct_threshold),
+            self._selection_metrics([d.metrics for d in drawn_all]), replay_m,
+            {k: float(v) for k, v in jax.device_get(train_metrics).items()})
+        return state, metrics, rounds.preview
+
+    def _sample_rounds(self, state, key) -> _Rounds:
+        """One round of `round_size` prompts, or (resampling) rounds until `num_groups` groups have
+        reward variance or `max_rounds` ran; round r samples with fold_in(key, r) (round 0: key)."""
+        rs = RoundResampler(num_groups=self.num_groups, round_size=self.rounds.round_size,
+                            max_rounds=self.rounds.max_rounds) if self.rounds.filter else None
+        out = _Rounds([], [], [], None, rs)
+        while True:
+            drawn = self.sampler.draw(self.rounds.round_size)
+            p = drawn.prompts
+            k_round = key if not out.batches else jax.random.fold_in(key, len(out.batches))
+            batch_r, metrics_r, preview_r = self.stages.sample(state, p.tokens_bt, p.mask_bt,
+                                                               p.indices_b.astype(np.int32), k_round)
+            batch_r = jax.device_get(batch_r)
+            out.batches.append(batch_r)
+            out.drawn.append(drawn)
+            out.rollout_metrics.append(jax.device_get(metrics_r))
+            out.preview = preview_r if out.preview is None else out.preview
+            if rs is None:
+                return out
+            baseline_r = None if batch_r.baseline_rewards_b is None else np.asarray(batch_r.baseline_rewards_b)[::self.n]
+            rs.add_round(np.asarray(batch_r.rewards_b).reshape(-1, self.n), baseline_r)
+            if rs.done:
+                return out
+
+    def _replay(self, batch: RolloutBatch, prompt_ids_g: list) -> tuple[RolloutBatch, dict]:
+        """Replayed successes mixed into the all-failed groups; the fresh groups stored."""
+        if self.replay is None:
+            return batch, {}
+        mixed = mix_into_batch(batch, self.replay, prompt_ids_g=prompt_ids_g, fraction=self.replay_fraction)
+        self.replay.add(prompt_ids_g, batch.tokens_bt, batch.attn_mask_bt, batch.loss_mask_bt,
+                        batch.sampler_logp_bt, batch.rewards_b)
+        return mixed.batch, {**mixed.metrics, **self.replay.metrics()}
+
+    def _selection_metrics(self, selection_m: list[dict]) -> dict[str, float]:
         selection = {k: float(np.mean([m[k] for m in selection_m])) for k in selection_m[0]}
         selection["selection/band_rejected"] = float(sum(m["selection/band_rejected"] for m in selection_m))
         selection.update({f"selection/{name}/samples_total": float(v)
                           for name, v in zip(self.sampler.names, self.sampler.samples_total)})
-        metrics = merge_metrics(_round_metrics(rollout_m), spend, task_metrics(
-            self.sampler.names, task_ids_s, rewards_sn, self.correct_threshold), selection, replay_m,
-            {k: float(v) for k, v in jax.device_get(train_metrics).items()})
-        return state, metrics, preview
+        return selection
 
 
 class HostDataState:

@@ -256,6 +256,8 @@ class AsyncDriver(Driver):
     `segment_steps` > 0 samples with partial rollouts (`rl.partial_rollouts`, polling for new
     params every that many decode steps); 0 samples whole batches with one version."""
 
+    resume_note = "async: the batches in flight at the checkpoint are dropped; the rollout queue restarts empty"
+
     def __init__(self, programs: OverlapPrograms, prompts: PromptSource, loop_key: jax.Array, *,
                  max_staleness: int, queue_batches: int, rows: int, wait_for_fresh: bool = True,
                  segment_steps: int = 0, data=None, callback=None):

@@ -101,6 +101,8 @@ class RemoteDriver(Driver):
     """The trainer host's side: `AsyncDriver`'s interface (`step`, `checkpoint_extra`,
     `restore_extra`, `close`, `data_lock`) over the transport instead of a thread and a queue."""
 
+    resume_note = "async: the batches in flight at the checkpoint are dropped; the rollout queue restarts empty"
+
     def __init__(self, programs: OverlapPrograms, loop_key: jax.Array, cfg, state: TrainState,
                  *, num_prompts: int, transport: Transport | None = None, data=None, callback=None):
         super().__init__()

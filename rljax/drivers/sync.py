@@ -15,7 +15,7 @@ import jax
 
 from rljax.data.example import verifier_metadata
 from rljax.drivers.base import Driver, check_process_rows, prompt_arrays
-from rljax.envs.host import EpisodeHost
+from rljax.sampling.episode_host import EpisodeHost
 from rljax.rewards import as_callback
 from rljax.stages.episodes import episode_controls, make_episode_iteration
 from rljax.stages.iteration import make_iteration, make_split_iteration

@@ -8,7 +8,7 @@ import numpy as np
 
 from rljax.envs.base import Environment
 from rljax.envs.config import EnvConfig
-from rljax.envs.host import EpisodeHost
+from rljax.sampling.episode_host import EpisodeHost
 from rljax.evaluation.runner import EvalSetup
 from rljax.rewards.pool import VerifierPool
 from rljax.sampling import SampleControls

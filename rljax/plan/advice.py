@@ -32,7 +32,6 @@ from rljax.errors import ConfigError
 from rljax.models import ModelConfig
 from rljax.plan.accelerators import format_gib
 from rljax.plan.memory import MemoryPlan, plan_memory, prompt_width, state_memory
-from rljax.sharding import MeshConfig
 
 RunConfig = Any  # a `rljax.train.config.TrainConfig`: read here, never imported (plan sits below train)
 
@@ -84,7 +83,7 @@ def _mesh_sizes(cfg: RunConfig) -> tuple[int, int, int]:
     import jax
 
     n = cfg.mesh.devices or len(jax.devices())
-    return MeshConfig(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor).resolve(n)
+    return cfg.mesh.resolve(n)
 
 
 def candidates(cfg: RunConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:

@@ -42,12 +42,12 @@ def _local_layouts(section: MeshConfig) -> tuple[Layout | None, Layout | None]:
             raise ConfigError("mesh.sampler_devices runs in one process for now (no cross-host weight transport); "
                               "set mesh.sampler_devices=0")
         trainer_devices, sampler_devices = split_devices(devices, section.sampler_devices)
-        mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), trainer_devices)
+        mesh = make_mesh(section, trainer_devices)
         sampler_mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=section.sampler_tensor or 1), sampler_devices)
         return trainer_layout(mesh), sampler_layout(sampler_mesh)
     if len(devices) == 1:
         return None, None
-    mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), devices)
+    mesh = make_mesh(section, devices)
     if section.sampler == "shared":
         return trainer_layout(mesh), None
     tensor = section.sampler_tensor or mesh.shape["tensor"]
@@ -91,7 +91,7 @@ def _remote_layouts(section: MeshConfig) -> tuple[Layout, Layout]:
     (the transfer moves shard for shard)."""
     Roles.from_mesh(section)
     devices = jax.local_devices()
-    mesh = make_mesh(MeshConfig(data=section.data, fsdp=section.fsdp, tensor=section.tensor), devices)
+    mesh = make_mesh(section, devices)
     sampler_mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=section.sampler_tensor or 1), devices)
     return trainer_layout(mesh), sampler_layout(sampler_mesh)
 

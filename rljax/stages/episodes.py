@@ -5,7 +5,7 @@
     --> RolloutBatch: loss mask = model tokens only (`rljax.envs.loss_mask`), minus the
         trajectories SimpleTIR's void-turn filter drops; reward = the episode's return
 
-The host side the sampler calls is `rljax.envs.host.EpisodeHost`; the options are the `[env]`
+The host side the sampler calls is `rljax.sampling.episode_host.EpisodeHost`; the options are the `[env]`
 section, `rljax.envs.EnvConfig`.
 
 Reward. The episode's return is sum_k gamma^k r_k over its turns (`turn_discount` = gamma;
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from rljax import envs
 from rljax.envs.config import EnvConfig
 from rljax.envs.formats import get_format
-from rljax.envs.host import EpisodeHost
+from rljax.sampling.episode_host import EpisodeHost
 from rljax.envs.masks import MODEL, PAD
 from rljax.sampling import SampleControls
 from rljax.sampling import multiturn as MT

@@ -27,8 +27,10 @@ def initial_state(run: Run, driver: Driver, template: TrainState, *, resume: boo
         state, start, saved = restore_run(run.ckpt, template, driver.restore_target(template),
                                           model_config=run.model_cfg, teacher=run.teacher,
                                           reward_model=run.reward_model)
-        driver.restore(saved)
+        note = driver.restore(saved)
         run.log(f"resumed from {run.ckpt.directory}/{start}")
+        if note:
+            run.log(note)
         run.writer.truncate_after(start)
         return state, start, run.writer.read()
     if resume:

@@ -28,7 +28,7 @@ from rljax.sampling import SampleControls
 from rljax.sampling import multiturn as MT
 from rljax.tokenizers.char import CharTokenizer
 from rljax.envs.config import EnvConfig as EpisodeOptions
-from rljax.envs.host import EpisodeHost
+from rljax.sampling.episode_host import EpisodeHost
 from rljax.stages.episodes import episode_metrics, episodes_to_batch, turn_returns
 from rljax.update import init_train_state, prepare_batch
 from rljax.update.loss import aggregation_denominator

@@ -379,7 +379,7 @@ def test_train_config_sampling_is_sample_controls(tmp_path):
     default to the tokenizer's, and a bad value is one ConfigError line."""
     from rljax.train.config import load_config
     from rljax.train.run import sample_controls
-    from rljax.train.setup import build_tokenizer
+    from rljax.models.setup import build_tokenizer
 
     cfg = load_config(overrides=["sampling.top_k=5", "sampling.max_new_tokens=7"])
     assert isinstance(cfg.sampling, SampleControls)

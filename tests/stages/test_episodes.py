@@ -27,7 +27,7 @@ from rljax.sampling import multiturn as MT
 from rljax.tokenizers.char import CharTokenizer
 from rljax.train.config import load_config
 from rljax.envs.config import EnvConfig as EpisodeOptions
-from rljax.envs.host import EpisodeHost
+from rljax.sampling.episode_host import EpisodeHost
 from rljax.stages.episodes import episodes_to_batch, make_episode_iteration
 from rljax.update import init_train_state, prepare_batch
 

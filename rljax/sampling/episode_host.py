@@ -5,7 +5,8 @@ finished model turn with the run's tokenizer, steps the environments through the
 (`rljax.envs.step_batch`: time limits, failures as error observations) and encodes the
 observations, cut to `max_observation_tokens` with a marker. Host-side only (numpy), so the
 traceable rollout (`rljax.stages.episodes`) and the greedy episode evaluation
-(`rljax.evaluation.episodes`) share it.
+(`rljax.evaluation.episodes`) share it. It lives with the sampler it serves: `rljax.envs` knows
+nothing of sampling.
 """
 
 from __future__ import annotations
