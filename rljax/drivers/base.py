@@ -11,13 +11,14 @@ A driver owns its prompt source (the seeded pipeline's iterator, or a mixture's 
 the loop never draws prompts, and its key schedule (`fold_in(loop key, it)` or the overlapped
 drivers' per-batch keys), so a resumed run replays exactly what an uninterrupted one would.
 
-`run` is the run's pieces (`rljax.train.loop.Run`, read here by attribute, never imported): cfg,
+`run` is the run's pieces (`rljax.train.run.Run`, read here by attribute, never imported): cfg,
 controls, tokenizer, reward_fn, env, data, sampler, replay, trainer_layout, sampler_layout,
-num_prompts, keys["loop"].
+keys["loop"] (and `cfg.rl.num_prompts`, the prompts sampled per iteration).
 """
 
 from __future__ import annotations
 
+import abc
 import threading
 from typing import Any
 
@@ -25,12 +26,14 @@ import jax
 import numpy as np
 
 from rljax.checkpoint.train_state import DriverState
+from rljax.data.example import verifier_metadata
 from rljax.data.pipeline import shard_rows
 from rljax.errors import ConfigError
+from rljax.rewards import as_callback
 from rljax.sharding import Layout, global_batch, process_rows
 
 
-class Driver:
+class Driver(abc.ABC):
     """The protocol (module doc). Subclasses set `data` (a prompt source with `get_state` /
     `set_state`) and `callback` (the verifier's host side, with `take_seconds`), implement `step`,
     and, when they keep arrays across a resume, `checkpoint_extra` / `restore_extra` /
@@ -44,8 +47,9 @@ class Driver:
     def __init__(self) -> None:
         self.data_lock = threading.Lock()  # an async producer advances the prompt source
 
+    @abc.abstractmethod
     def step(self, state, it: int):
-        raise NotImplementedError
+        """Iteration `it`: (state, metrics, preview) after sampling, scoring and one update."""
 
     def checkpoint(self) -> DriverState:
         """The prompt source's state and the driver's arrays, read under one lock."""
@@ -81,6 +85,11 @@ class Driver:
 
     def close(self) -> None:
         pass
+
+
+def pipeline_callback(run):
+    """The verifier callback over the single-source pipeline's examples (indices point into them)."""
+    return as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
 
 
 def prompt_arrays(prompts, layout: Layout | None) -> tuple:

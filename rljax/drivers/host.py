@@ -33,9 +33,8 @@ from rljax.data.mixture import MixtureSampler, task_metrics
 from rljax.data.replay import ReplayBuffer, mix_into_batch
 from rljax.data.resampling import RoundResampler
 from rljax.data.selection import group_stats
-from rljax.errors import CheckpointError
 from rljax.drivers.base import Driver
-from rljax.errors import ConfigError
+from rljax.errors import CheckpointError, ConfigError
 from rljax.rewards import as_callback
 from rljax.stages.iteration import make_stages, merge_metrics
 from rljax.update import RolloutBatch

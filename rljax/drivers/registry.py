@@ -12,14 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from rljax.data.example import verifier_metadata
-from rljax.drivers.base import Driver, prompt_arrays
+from rljax.drivers.base import Driver, pipeline_callback, prompt_arrays
 from rljax.drivers.host import build_host
 from rljax.drivers.overlap import AsyncDriver, OneStepOff, OverlapPrograms
 from rljax.drivers.remote import RemoteDriver
 from rljax.drivers.sync import build_episodes, build_sync
 from rljax.errors import ConfigError
-from rljax.rewards import as_callback
 from rljax.stages.iteration import make_stages
 
 # feature -> (the keys that turn it on, as a refusal names them; whether `cfg` has it on)
@@ -55,8 +53,8 @@ class DriverSpec:
 
 def _overlap_programs(run, template) -> tuple[OverlapPrograms, Callable]:
     """(the two meshes' programs, the verifier callback) on `run`'s single-source pipeline."""
-    callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
-    stages = make_stages(run.controls, callback, template, num_prompts=run.num_prompts,
+    callback = pipeline_callback(run)
+    stages = make_stages(run.controls, callback, template, num_prompts=run.cfg.rl.num_prompts,
                          trainer=run.trainer_layout, sampler=run.sampler_layout)
     return OverlapPrograms.from_stages(stages), callback
 
@@ -71,7 +69,7 @@ def build_one_step_off(run, template) -> OneStepOff:
     programs, callback = _overlap_programs(run, template)
     data, prompts = _pipeline(run)
     return OneStepOff(programs, prompts, run.keys["loop"], data=data, callback=callback,
-                      num_prompts=run.num_prompts, prompt_len=run.cfg.data.max_prompt_tokens)
+                      num_prompts=run.cfg.rl.num_prompts, prompt_len=run.cfg.data.max_prompt_tokens)
 
 
 def build_async(run, template) -> AsyncDriver:
@@ -88,7 +86,7 @@ def build_async(run, template) -> AsyncDriver:
 def build_remote(run, template) -> RemoteDriver:
     """The trainer host of a multi-process async run; the producers are other processes."""
     programs, callback = _overlap_programs(run, template)
-    return RemoteDriver(programs, run.keys["loop"], run.cfg, template, num_prompts=run.num_prompts,
+    return RemoteDriver(programs, run.keys["loop"], run.cfg, template, num_prompts=run.cfg.rl.num_prompts,
                         data=iter(run.data.dataset), callback=callback)
 
 

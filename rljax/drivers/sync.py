@@ -13,10 +13,8 @@ from typing import Callable
 
 import jax
 
-from rljax.data.example import verifier_metadata
-from rljax.drivers.base import Driver, check_process_rows, prompt_arrays
+from rljax.drivers.base import Driver, check_process_rows, pipeline_callback, prompt_arrays
 from rljax.sampling.episode_host import EpisodeHost
-from rljax.rewards import as_callback
 from rljax.stages.episodes import episode_controls, make_episode_iteration
 from rljax.stages.iteration import make_iteration, make_split_iteration
 
@@ -37,15 +35,15 @@ class SyncDriver(Driver):
 def build_sync(run, template) -> SyncDriver:
     """The fused iteration (one program), or the split one when the sampler has a layout of its own."""
     cfg = run.cfg
-    callback = as_callback(run.reward_fn, run.tokenizer, [verifier_metadata(e) for e in run.data.examples])
+    callback = pipeline_callback(run)
     common = dict(num_groups=cfg.rl.prompts_per_iteration, dynamic_sampling=cfg.rl.dynamic_sampling)
     if run.sampler_layout is not None:
-        iteration = make_split_iteration(run.controls, callback, template, num_prompts=run.num_prompts,
+        iteration = make_split_iteration(run.controls, callback, template, num_prompts=run.cfg.rl.num_prompts,
                                          trainer=run.trainer_layout, sampler=run.sampler_layout, **common)
     else:
         iteration = make_iteration(run.controls, callback, layout=run.trainer_layout, **common)
     layout = run.sampler_layout or run.trainer_layout
-    check_process_rows(layout, run.num_prompts)
+    check_process_rows(layout, run.cfg.rl.num_prompts)
     return SyncDriver(iteration, callback, iter(run.data.dataset), run.keys["loop"], layout=layout,
                       fused=run.sampler_layout is None)
 

@@ -65,7 +65,6 @@ class Run:
     data: PromptData | None  # the single-source pipeline (None when host-steered)
     sampler: MixtureSampler | None  # the host-steered run's mixture (None: the pipeline)
     replay: ReplayBuffer | None
-    num_prompts: int  # sampled per iteration (over-sampled for dynamic sampling)
     controls: SampleControls
     evaluator: EvalSetup
     writer: MetricsWriter
@@ -152,7 +151,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
                model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
                reward_fn=reward_fn, data=data, sampler=sampler, replay=replay,
-               num_prompts=cfg.rl.num_prompts, controls=controls, evaluator=evaluator, writer=writer, ckpt=ckpt, log=log)
+               controls=controls, evaluator=evaluator, writer=writer, ckpt=ckpt, log=log)
 
 
 def new_train_state(run: Run, params) -> TrainState:

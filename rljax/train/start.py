@@ -45,10 +45,12 @@ def initial_state(run: Run, driver: Driver, template: TrainState, *, resume: boo
 
 def evaluate(run: Run, state: TrainState) -> dict[str, float]:
     """Greedy held-out accuracy, and per task for a mixture (`eval/{task}/accuracy`); with an
-    `[env]`, the accuracy of greedy episodes with the env's tool ."""
+    `[env]`, the accuracy of greedy episodes with the env's tool."""
+    params = _eval_params(state.sampler_params(), run)
     if run.env is not None:
-        return {"eval/accuracy": held_out_accuracy(run, _eval_params(state.sampler_params(), run))}
-    solved = greedy_solved(run.evaluator, _eval_params(state.sampler_params(), run))
+        controls = episode_controls(run.controls, run.tokenizer, run.cfg.env)
+        return {"eval/accuracy": episode_accuracy(run.evaluator, params, run.env, run.cfg.env, controls)}
+    solved = greedy_solved(run.evaluator, params)
     out = {"eval/accuracy": float(np.mean(solved)) if solved.size else float("nan")}
     out.update({f"eval/{task}/accuracy": acc for task, acc in accuracy_by_task(run.evaluator, solved).items()})
     return out
@@ -94,15 +96,6 @@ def warm_start(run: Run):
                                    run.keys["warm"], accuracy=accuracy, log=run.log)
     return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, sft_set, run.fmt, run.keys["warm"],
                           validation=validation, log=run.log)
-
-
-def held_out_accuracy(run: Run, params) -> float:
-    """Greedy accuracy on the held-out split: single completions, or greedy episodes with the
-    env's tool when the run has an `[env]`."""
-    if run.env is None:
-        return greedy_accuracy(run.evaluator, params)
-    return episode_accuracy(run.evaluator, params, run.env, run.cfg.env,
-                            episode_controls(run.controls, run.tokenizer, run.cfg.env))
 
 
 def _eval_params(params, run: Run):
