@@ -69,6 +69,12 @@ def _hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]
     return m
 
 
+def hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]:
+    """HF decoder-layer suffix -> (our key, hf->ours, ours->hf), for loaders of models that embed
+    this decoder (a VLM's language model: `rljax.models.vl_io`)."""
+    return _hf_layer_map(cfg)
+
+
 _TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head",
               "score.weight": "score", "score.bias": "score_bias"}
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -287,6 +293,12 @@ def _hf_tensors(cfg: ModelConfig, params: Params):
             yield "score.bias", np.asarray(params["score_bias"])
     elif not cfg.tie_embeddings:
         yield "lm_head.weight", np.asarray(params["lm_head"])
+
+
+def hf_tensors(cfg: ModelConfig, params: Params):
+    """(HF name, host array) pairs of a decoder's params in the HF layout (for exporters of models
+    that embed this decoder)."""
+    return _hf_tensors(cfg, params)
 
 
 @contextlib.contextmanager

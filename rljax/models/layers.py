@@ -40,6 +40,9 @@ def rope_tables(positions_bt, cfg: ModelConfig, cos_sin_ph=None):
     """(cos, sin) [B, T, 1, H] of the rotary angles at `positions_bt`, shared by every layer's
     queries and keys. With `cos_sin_ph` (from `rope_table`) the rows are gathered, not recomputed;
     a position outside the table gives NaN, so a table too short shows up in the logits."""
+    if cos_sin_ph is not None and cos_sin_ph[0].ndim == 3:  # per-row tables [B, P, H] (M-RoPE: rljax.models.mrope)
+        take = lambda t_bph: jnp.take_along_axis(t_bph, positions_bt[..., None], axis=1, mode="fill")[:, :, None, :]
+        return tuple(take(t_bph) for t_bph in cos_sin_ph)
     if cos_sin_ph is not None:
         take = lambda t_ph: jnp.take(t_ph, positions_bt, axis=0, mode="fill")[:, :, None, :]
         return tuple(take(t_ph) for t_ph in cos_sin_ph)

@@ -1,0 +1,125 @@
+"""Qwen2.5-VL in the functional model against transformers' Qwen2_5_VLForConditionalGeneration.
+
+Two tiny random checkpoints (`vl_factory`): one with window attention in blocks 0 and 2, one
+with full attention everywhere. Two images of different sizes, each spanning several windows
+per side on a grid the window does not divide, in one left-padded batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.vision_utils import get_vision_window_index
+
+import jax.numpy as jnp
+
+from rljax.errors import DataError
+from rljax.models.mrope import rope_index
+from rljax.models.vision import patch_layout
+from rljax.models.vl_io import load_vl, save_vl
+from rljax.models.vlm import greedy_generate, prepare_inputs, vl_forward
+from vl_factory import END, GRIDS, IMAGE, START, image_batch, left_pad, make_vl_checkpoint, placeholder
+
+
+@pytest.fixture(scope="module", params=["windowed", "full"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_vl_checkpoint(path, windowed=request.param == "windowed")
+    cfg, params = load_vl(path)
+    return hf, cfg, params
+
+
+def _hf_inputs(tokens, mask, pixels, grids):
+    return dict(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels),
+                image_grid_thw=torch.tensor(grids), mm_token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int64)))
+
+
+def _ours(cfg, params, tokens, mask, pixels, grids):
+    inputs = prepare_inputs(cfg, tokens, mask.astype(bool), pixels, grids, num_positions=tokens.shape[1])
+    return np.asarray(vl_forward(cfg, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool), inputs))
+
+
+def test_logits_match_transformers(checkpoint):
+    """Logits on the real tokens of a left-padded two-image batch are HF's within 1e-4 (f32). A
+    window index that ignores the cut-short edge windows, or one window per image, moves them by
+    ~3e-2; so do M-RoPE positions off by one section or an image token given the wrong row."""
+    hf, cfg, params = checkpoint
+    tokens, mask, pixels, grids = image_batch()
+    with torch.no_grad():
+        ref = hf(**_hf_inputs(tokens, mask, pixels, grids)).logits.numpy()
+    ours = _ours(cfg, params, tokens, mask, pixels, grids)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    """Greedy tokens with a KV cache (tower + prompt prefill, decode rotated by position + delta)
+    are HF generate's, token for token."""
+    hf, cfg, params = checkpoint
+    tokens, mask, pixels, grids = image_batch()
+    with torch.no_grad():
+        ref = hf.generate(**_hf_inputs(tokens, mask, pixels, grids), max_new_tokens=6, do_sample=False)
+    ours = greedy_generate(cfg, params, tokens, mask, pixels, grids, 6)
+    np.testing.assert_array_equal(ours, ref[:, tokens.shape[1]:].numpy())
+
+
+def test_export_reloads_in_transformers(checkpoint, tmp_path):
+    """`save_vl` writes a directory transformers loads into the same model: its logits equal ours."""
+    _, cfg, params = checkpoint
+    save_vl(cfg, params, tmp_path / "out")
+    reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    tokens, mask, pixels, grids = image_batch(seed=1)
+    with torch.no_grad():
+        ref = reloaded(**_hf_inputs(tokens, mask, pixels, grids)).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(_ours(cfg, params, tokens, mask, pixels, grids)[real], ref[real], atol=1e-4, rtol=0)
+    cfg2, params2 = load_vl(tmp_path / "out")
+    assert cfg2 == cfg
+
+
+@pytest.mark.parametrize("images_per_row", [(0, 0), (1, 0), (2, 1), (0, 2)])
+def test_rope_index_matches_get_rope_index(checkpoint, images_per_row):
+    """M-RoPE positions and deltas equal transformers' get_rope_index on left-padded rows with zero,
+    one and two images (images consumed in row-major order)."""
+    hf, cfg, _ = checkpoint
+    grids, rows, k = [], [], 0
+    for row, n in enumerate(images_per_row):
+        toks = [7 + row] * (3 + 2 * row)
+        for _ in range(n):
+            grid = GRIDS[k % 2]
+            grids.append(grid)
+            toks += placeholder(grid) + [20 + k] * (k + 1)
+            k += 1
+        rows.append(toks)
+    tokens, mask = left_pad(rows)
+    grid_arr = np.array(grids).reshape(-1, 3)
+    ref_pos, ref_delta = hf.model.get_rope_index(
+        torch.tensor(tokens), mm_token_type_ids=torch.tensor((tokens == IMAGE).astype(np.int64)),
+        image_grid_thw=torch.tensor(grid_arr) if len(grids) else None, attention_mask=torch.tensor(mask))
+    pos, delta = rope_index(tokens, mask, grid_arr, IMAGE, cfg.vision.spatial_merge_size)
+    np.testing.assert_array_equal(pos, ref_pos.numpy())
+    np.testing.assert_array_equal(delta, ref_delta.numpy()[:, 0])
+
+
+def test_window_segments_match_hf_window_index(checkpoint):
+    """Our window segments partition each image's merge blocks exactly as HF's window index and
+    cumulative window lengths do (the permutation HF attends in, read back as a partition)."""
+    _, cfg, _ = checkpoint
+    index, cu = get_vision_window_index(torch.tensor(GRIDS), 2, cfg.vision.window_size, 14)
+    hf_window = np.empty(len(index), np.int64)
+    for w, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        hf_window[index.numpy()[a // 4:b // 4]] = w
+    ours = patch_layout(cfg.vision, GRIDS).window_n.reshape(-1, 4)
+    assert (ours == ours[:, :1]).all()
+    np.testing.assert_array_equal(ours[:, 0], hf_window)
+
+
+def test_placeholder_count_mismatch_is_one_line(checkpoint):
+    """A prompt whose image placeholder does not fit its image's grid is refused in one line."""
+    _, cfg, _ = checkpoint
+    tokens, mask = left_pad([[5, START] + [IMAGE] * 3 + [END]])
+    with pytest.raises(DataError, match="image tokens but the images make") as err:
+        prepare_inputs(cfg, tokens, mask, np.zeros((int(GRIDS[1].prod()), 1176), np.float32), GRIDS[1:],
+                       num_positions=8)
+    assert "\n" not in str(err.value)
