@@ -16,7 +16,7 @@ from rljax.errors import CheckpointError, ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
 _ACTIVATIONS = ("silu", "gelu_tanh")
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 DECODE_ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -28,7 +28,9 @@ class ModelConfig:
 
     Family switches: `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `norm_plus_one` and
     `scale_embeddings` (Gemma's RMSNorm (1 + w) and sqrt(d) embedding scale), `sandwich_norm`,
-    soft-caps and `sliding_window_pattern` (Gemma 2), `rope_type='llama3'` (Llama 3.1+).
+    soft-caps and `sliding_window_pattern` (Gemma 2), `rope_type='llama3'` (Llama 3.1+),
+    `rope_type='yarn'` (Qwen2.5's long-context configs: `rope_factor`, `rope_original_max_positions`,
+    the `rope_beta_*` ramp and `rope_attention_factor`; see `rope_inv_freq`).
     """
 
     vocab_size: int
@@ -54,6 +56,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_beta_fast: float = 32.0  # YaRN: rotations above which a dimension is not interpolated
+    rope_beta_slow: float = 1.0  # YaRN: rotations below which a dimension is fully interpolated
+    rope_attention_factor: float | None = None  # YaRN: cos/sin scale; None: 0.1 ln(factor) + 1
+    rope_truncate: bool = True  # YaRN: round the ramp's ends to whole dimensions (HF's default)
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
@@ -146,13 +152,37 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(
             f"rope_type {rope_type!r} is not supported; supported: {_ROPE_TYPES}")
     out = {"rope_theta": float(theta), "rope_type": rope_type}
-    if rope_type in ("linear", "llama3"):
+    if rope_type in ("linear", "llama3", "yarn"):
         out["rope_factor"] = float(src["factor"])
     if rope_type == "llama3":
         out["rope_low_freq_factor"] = float(src.get("low_freq_factor", 1.0))
         out["rope_high_freq_factor"] = float(src.get("high_freq_factor", 4.0))
         out["rope_original_max_positions"] = int(src["original_max_position_embeddings"])
+    if rope_type == "yarn":
+        out.update(_yarn_from_hf(hf, src, out["rope_factor"]))
     return out
+
+
+def _yarn_from_hf(hf: dict[str, Any], src: dict[str, Any], factor: float) -> dict[str, Any]:
+    """YaRN's fields as transformers reads them: the pretrained window is
+    `original_max_position_embeddings` (default: `max_position_embeddings`); the cos/sin scale is
+    `attention_factor`, else DeepSeek's mscale ratio, else 0.1 ln(factor) + 1 (left None)."""
+    out: dict[str, Any] = {
+        "rope_original_max_positions": int(src.get("original_max_position_embeddings")
+                                           or hf.get("max_position_embeddings", 4096)),
+        "rope_beta_fast": float(src.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(src.get("beta_slow") or 1.0),
+        "rope_truncate": bool(src.get("truncate", True)),
+    }
+    if src.get("attention_factor") is not None:
+        out["rope_attention_factor"] = float(src["attention_factor"])
+    elif src.get("mscale") and src.get("mscale_all_dim"):
+        out["rope_attention_factor"] = _yarn_mscale(factor, src["mscale"]) / _yarn_mscale(factor, src["mscale_all_dim"])
+    return out
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
@@ -223,8 +253,13 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}[cfg.model_type]
     rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type in ("linear", "llama3"):
+    if cfg.rope_type in ("linear", "llama3", "yarn"):
         rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "yarn":
+        rope.update(original_max_position_embeddings=cfg.rope_original_max_positions, beta_fast=cfg.rope_beta_fast,
+                    beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
     if cfg.rope_type == "llama3":
         rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_positions)
@@ -286,13 +321,49 @@ def preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(model_type="qwen2", **{**presets[name], **overrides})
 
 
+def rope_attention_scale(cfg: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (so every attention logit by its square):
+    `rope_attention_factor`, or 0.1 ln(s) + 1 for scale s (YaRN, Peng et al., 2023, eq. 22's
+    sqrt(1/t)); 1.0 for every other RoPE type."""
+    if cfg.rope_type != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return float(cfg.rope_attention_factor)
+    return _yarn_mscale(cfg.rope_factor)
+
+
+def _yarn_inv_freq(cfg: ModelConfig, inv):
+    """YaRN's "NTK-by-parts" frequencies (Peng et al., 2023): dimension i rotates r_i = L / lambda_i
+    times over the pretrained window L. Dimensions with r_i > beta_fast keep their frequency
+    (extrapolate), those with r_i < beta_slow are divided by the scale s (interpolate, as linear
+    scaling), and between them a linear ramp over the dimension index blends the two. The ramp's
+    ends are the dimensions where r equals each beta, d(r) = D ln(L / (2 pi r)) / (2 ln theta),
+    rounded outward when `rope_truncate` (as transformers does)."""
+    import numpy as np
+
+    dim, length = cfg.head_dim, cfg.rope_original_max_positions
+    corr = lambda rotations: dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+    low, high = corr(cfg.rope_beta_fast), corr(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-dimension ramp: avoid dividing by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: extrapolate (high-frequency dims), 0: interpolate
+    return inv / cfg.rope_factor * (1.0 - keep) + inv * keep
+
+
 def rope_inv_freq(cfg: ModelConfig):
-    """Inverse RoPE frequencies, with linear or Llama 3 scaling (Llama 3 report, 2024)."""
+    """Inverse RoPE frequencies, with linear, Llama 3 (Llama 3 report, 2024) or YaRN (Peng et al.,
+    2023) scaling."""
     import numpy as np
 
     h = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
-    if cfg.rope_type == "linear":
+    if cfg.rope_type == "yarn":
+        inv = _yarn_inv_freq(cfg, inv)
+    elif cfg.rope_type == "linear":
         inv = inv / cfg.rope_factor
     elif cfg.rope_type == "llama3":
         lo_wl = cfg.rope_original_max_positions / cfg.rope_low_freq_factor

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.models.config import ModelConfig, rope_inv_freq
+from rljax.models.config import ModelConfig, rope_attention_scale, rope_inv_freq
 
 
 def rms_norm(x, w, cfg: ModelConfig):
@@ -49,6 +49,9 @@ def rope_tables(positions_bt, cfg: ModelConfig, cos_sin_ph=None):
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)[:, :, None, :]
+    scale = rope_attention_scale(cfg)  # YaRN's attention temperature; 1.0 (no op) otherwise
+    if scale != 1.0:
+        return jnp.cos(angles_bth) * scale, jnp.sin(angles_bth) * scale
     return jnp.cos(angles_bth), jnp.sin(angles_bth)
 
 
