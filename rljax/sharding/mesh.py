@@ -1,9 +1,12 @@
-"""A device mesh from config: axes (data, fsdp, tensor), sizes filled in from the device count.
+"""A device mesh from config: axes (data, fsdp, [expert,] tensor), sizes filled in from the device count.
 
 Axis order goes from least to most communication: `data` (pure replicas, only gradients are
 all-reduced; put it across hosts/DCN), `fsdp` (params and optimiser state sharded, all-gathered
-per layer: ZeRO-3, Rajbhandari et al., 2020), `tensor` (heads and the MLP split inside each
-matmul: Megatron-LM, Shoeybi et al., 2019; innermost, so it lands on the fastest links).
+per layer: ZeRO-3, Rajbhandari et al., 2020), `expert` (a mixture of experts' expert weights
+split on E, tokens sent to their experts by all-to-all: GShard, Lepikhin et al., 2020; a batch
+axis for everything else; `rljax.models.expert_parallel`), `tensor` (heads and the MLP split
+inside each matmul: Megatron-LM, Shoeybi et al., 2019; innermost, so it lands on the fastest
+links). The `expert` axis exists only when `mesh.expert` > 1, so every other mesh is unchanged.
 
 Axis types are `Auto`, chosen deliberately. JAX 0.10's `jax.make_mesh` defaults to `Explicit`
 axes, where shardings are part of every array's type and any op whose operands disagree (an FSDP
@@ -37,6 +40,9 @@ class MeshConfig:
     multi-process run needs all). The default, data=1, fsdp=-1, tensor=1, is plain FSDP over every
     device; one device means no sharding. Each sampler mesh is one of these too (data=-1, fsdp=1).
 
+    `expert` > 1 adds an `expert` axis of that size (between fsdp and tensor) for a mixture of
+    experts: expert weights split on E over it, tokens split over data x fsdp x expert.
+
     `sampler` picks where sampling runs:
     - `shared`: in the trainer's layout (FSDP params); the whole iteration is ONE program.
     - `tensor`: in its own layout, a mesh of data=-1 x tensor=`sampler_tensor` (0: the trainer's
@@ -57,6 +63,7 @@ class MeshConfig:
     data: int = bounded(1, ge=1, also=(-1,))
     fsdp: int = bounded(-1, ge=1, also=(-1,))
     tensor: int = bounded(1, ge=1, also=(-1,))
+    expert: int = bounded(1, ge=1)
     devices: int = bounded(0, ge=0)
     sampler: Literal["shared", "tensor"] = "shared"
     sampler_tensor: int = bounded(0, ge=0)
@@ -85,32 +92,45 @@ class MeshConfig:
         return (self.data, self.fsdp, self.tensor)
 
     def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        """Axis sizes with -1 filled in so that their product is `num_devices`."""
+        """(data, fsdp, tensor) sizes with -1 filled in so that their product times `expert` is `num_devices`."""
         sizes = list(self.sizes())
-        known = math.prod(s for s in sizes if s != -1)
+        known = math.prod(s for s in sizes if s != -1) * self.expert
         if -1 in sizes:
             if num_devices % known:
                 raise ConfigError(
-                    f"mesh {dict(zip(AXES, sizes))}: {num_devices} devices are not divisible by "
+                    f"mesh {self._named(sizes)}: {num_devices} devices are not divisible by "
                     f"{known}; pick axis sizes whose product divides the device count")
             sizes[sizes.index(-1)] = num_devices // known
-        if math.prod(sizes) != num_devices:
+        if math.prod(sizes) * self.expert != num_devices:
             raise ConfigError(
-                f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but {num_devices} "
+                f"mesh {self._named(sizes)} needs {math.prod(sizes) * self.expert} devices but {num_devices} "
                 f"are present; set one axis to -1 or make the product {num_devices}")
         return tuple(sizes)
 
+    def _named(self, sizes) -> dict[str, int]:
+        named = dict(zip(AXES, sizes))
+        return named if self.expert == 1 else {**named, "expert": self.expert}
+
+    def axes(self, num_devices: int) -> dict[str, int]:
+        """{axis: size} of the mesh over `num_devices`, in mesh order (`expert` only when > 1)."""
+        data, fsdp, tensor = self.resolve(num_devices)
+        if self.expert == 1:
+            return {"data": data, "fsdp": fsdp, "tensor": tensor}
+        return {"data": data, "fsdp": fsdp, "expert": self.expert, "tensor": tensor}
+
 
 def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `Mesh` with axes (data, fsdp, tensor) over `devices` (default: all global devices).
+    """A `Mesh` with axes (data, fsdp, tensor), or (data, fsdp, expert, tensor) when
+    `config.expert` > 1, over `devices` (default: all global devices).
 
     All axes are `AxisType.Auto` (see the module docstring for why). Devices are ordered by
     `jax.make_mesh`, which follows the physical topology on TPU.
     """
     config = config or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
-    shape = config.resolve(len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    axes = config.axes(len(devices))
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                         devices=devices)
 
 
 def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:

@@ -10,6 +10,10 @@ FSDP (ZeRO-3, Rajbhandari et al., 2020) is shape-driven, not per rule: every ten
 divides the axis size, never on the stacked layer axis L (the layer scan slices it). A tensor
 that is small or has no divisible dim stays replicated: correct, and its bytes are negligible.
 
+Expert parallelism (GShard, Lepikhin et al., 2020): a rule's `expert_dim` names the E dim of a
+mixture of experts' stacked expert weights, split over the `expert` axis when the mesh has one
+(`rljax.models.expert_parallel`). On such a mesh batches split over data x fsdp x expert.
+
 Because rules match paths by suffix, any tree whose leaves carry param names gets param
 layouts: optax states mirror the params tree (`mu/layers/q` has the shape of `layers/q`), and
 `opt_state_shardings` derives their shardings from the params' through `optax.tree_map_params`.
@@ -36,12 +40,13 @@ class Rule:
     """`pattern` (regex searched in the path) -> split dim `tensor_dim` (negative, from the end).
 
     `rank` is the rank of one layer's tensor; a leaf with one more dim has a stacked leading
-    layer axis, which is never sharded.
+    layer axis, which is never sharded. `expert_dim` (negative) is split over `expert`.
     """
 
     pattern: str
     rank: int
     tensor_dim: int | None = None
+    expert_dim: int | None = None
 
     def matches(self, path: str) -> bool:
         return re.search(self.pattern, path) is not None
@@ -89,6 +94,11 @@ def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_RULES,
     spec: list[Any] = [None] * ndim
     rule = next((r for r in rules if r.matches(path)), None)
     frozen = {0} if rule is not None and ndim == rule.rank + 1 else set()  # stacked layer axis
+    ep = axis_size(mesh, "expert")
+    if rule is not None and rule.expert_dim is not None and ep > 1 and ndim >= -rule.expert_dim:
+        d = ndim + rule.expert_dim
+        if d not in frozen and shape[d] % ep == 0:
+            spec[d] = "expert"
     tp = axis_size(mesh, "tensor")
     if rule is not None and rule.tensor_dim is not None and tp > 1 and ndim >= -rule.tensor_dim:
         d = ndim + rule.tensor_dim
@@ -139,9 +149,18 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, param_sharding
                                  transform_non_params=lambda _: replicated)
 
 
+def _all_batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """(data, fsdp), and `expert` after them when the mesh has that axis."""
+    return BATCH_AXES + ("expert",) if "expert" in mesh.shape else BATCH_AXES
+
+
 def batch_axes(mesh: Mesh, size: int) -> tuple[str, ...] | str | None:
-    """The mesh axes a leading dim of `size` shards over: (data, fsdp), else data, else none."""
-    for axes in (BATCH_AXES, "data", "fsdp"):
+    """The mesh axes a leading dim of `size` shards over: (data, fsdp[, expert]), else (data,
+    fsdp), else data, else fsdp, else none."""
+    candidates = (BATCH_AXES, "data", "fsdp")
+    if "expert" in mesh.shape:
+        candidates = (_all_batch_axes(mesh),) + candidates
+    for axes in candidates:
         n = axis_size(mesh, axes)
         if n > 1 and size % n == 0:
             return axes
@@ -154,8 +173,8 @@ def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a batch (or activation) array: leading dim over data x fsdp."""
-    return NamedSharding(mesh, P(BATCH_AXES))
+    """Sharding of a batch (or activation) array: leading dim over data x fsdp (x expert)."""
+    return NamedSharding(mesh, P(_all_batch_axes(mesh)))
 
 
 def batch_shardings(batch, mesh: Mesh):

@@ -46,6 +46,22 @@ def test_mesh_errors_are_one_line(cfg, match):
     assert "\n" not in str(err.value)
 
 
+def test_expert_axis_only_when_asked_and_batches_split_over_it():
+    """mesh.expert > 1 adds an `expert` axis between fsdp and tensor (others keep their three
+    axes); -1 fills in around it; batches split over data x fsdp x expert; a rule's expert_dim
+    splits E over it, then tensor and FSDP take their dims as before."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=-1, expert=2, tensor=2))
+    assert tuple(mesh.shape.items()) == (("data", 1), ("fsdp", 2), ("expert", 2), ("tensor", 2))
+    assert "expert" not in sharding.make_mesh(sharding.MeshConfig(expert=1)).shape
+    with pytest.raises(ConfigError, match="needs 4 devices but 8"):
+        sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=2, expert=2, tensor=1))
+    assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp", "expert"))
+    assert sharding.rules.rows_sharding(mesh, 8).spec == P(("data", "fsdp", "expert"))
+    assert sharding.rules.rows_sharding(mesh, 2).spec == P(("data", "fsdp"))
+    rule = sharding.Rule(r"experts$", rank=3, tensor_dim=-1, expert_dim=-3)
+    assert sharding.spec_for("layers/experts", (3, 4, 64, 32), mesh, (rule,)) == P(None, "expert", "fsdp", "tensor")
+
+
 # ----------------------------------------------------------------------------- rules
 
 
