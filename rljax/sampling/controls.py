@@ -37,12 +37,19 @@ from rljax.sampling.filters import Filters, make_filters
 
 SCHEDULERS = ("static", "continuous")
 KV_LAYOUTS = ("slots", "paged")
+DRAWS = ("auto", "reference", "one_pass")
 DECODE_PHASES_CPU = 3  # widths N/4, N/2, N: within 3% of doubling from 16's attention read (BENCHMARKS.md)
 
 
 def default_decode_phases(backend: str | None = None) -> int:
     """`decode_phases` when it is 0: `DECODE_PHASES_CPU` on the CPU, 1 on accelerators."""
     return DECODE_PHASES_CPU if (backend or jax.default_backend()) == "cpu" else 1
+
+
+def default_draw(backend: str | None = None) -> str:
+    """`draw` when it is "auto": "one_pass" on accelerators, where the vocabulary-wide passes are
+    a tenth of a decode step; "reference" on the CPU, so CPU runs keep their exact tokens."""
+    return "reference" if (backend or jax.default_backend()) == "cpu" else "one_pass"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,7 @@ class StaticControls:
     logits_processor: Callable | None = None
     batch_invariant: bool = False
     decode_phases: int = 1
+    draw: str = "reference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +106,10 @@ class SampleControls:
       distribution only (the policy log-probs stay unprocessed): row_b is the row's index in
       input order, step_b the index of the token being drawn. Traced inside the decode loop; a
       new function compiles a new variant. Python API only (not a config key).
+    draw: how a token and its log-probs come out of a step's logits: "reference" (the filters'
+      sampler and the trainer's log-prob function, six passes over the vocabulary) or "one_pass"
+      (`rljax.sampling.one_pass`: the same law and log-probs in two passes); "auto" is one_pass on
+      accelerators and reference on the CPU (`default_draw`). The random stream may differ.
 
     Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
     """
@@ -122,6 +134,7 @@ class SampleControls:
     batch_invariant: bool = False
     decode_phases: int = bounded(0, ge=0)
     logits_processor: Callable | None = None
+    draw: str = "auto"
 
     def __post_init__(self):
         try:
@@ -150,6 +163,8 @@ class SampleControls:
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
         self._check_kv_layout()
+        if self.draw not in DRAWS:
+            raise ConfigError(f"sampling: draw must be one of {', '.join(DRAWS)}, got {self.draw!r}")
         if self.logits_processor is not None and not callable(self.logits_processor):
             raise ConfigError("sampling: logits_processor must be a function fn(logits_bv, row_b, step_b) -> logits_bv")
         if any(not s for s in self.stop_sequences):
@@ -185,7 +200,8 @@ class SampleControls:
         return StaticControls(filters=self.filters(), eos_ids=self.eos_ids or (),
                               stop_sequences=self.stop_sequences, pad_id=self.pad_id or 0,
                               logits_processor=self.logits_processor, batch_invariant=self.batch_invariant,
-                              decode_phases=self.decode_phases or default_decode_phases())
+                              decode_phases=self.decode_phases or default_decode_phases(),
+                              draw=default_draw() if self.draw == "auto" else self.draw)
 
     def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
         """(temperature, top_p, min_p) as traced values; greedy ignores them."""

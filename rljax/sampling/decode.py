@@ -52,6 +52,7 @@ from rljax.models import ModelConfig, cache_slot_axes, forward, prefill_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
+from rljax.sampling.one_pass import draw_one_pass
 from rljax.tokenizers.batching import bucket_length as pad_bucket_length
 
 # Finish reasons, one int32 per row.
@@ -153,8 +154,13 @@ def draw(logits_bv, row_keys_b, row_b, step_b, scalars, spec: StaticControls):
     """Token `step_b` of rows `row_b` from `logits_bv`: (tokens_b, policy logp_b, sampling logp_b).
 
     The policy log-prob is the trainer's `logprobs_from_logits` on the raw logits; the token is
-    drawn from the tempered, filtered distribution after `spec.logits_processor`."""
+    drawn from the tempered, filtered distribution after `spec.logits_processor`. With
+    `spec.draw == "one_pass"` (and no processor) `rljax.sampling.one_pass` draws the same law and
+    returns the same log-probs in two passes over the vocabulary; this function is its reference."""
     temperature, top_p, min_p = scalars
+    if spec.draw == "one_pass" and spec.logits_processor is None:
+        return draw_one_pass(row_uniforms(row_keys_b, step_b), logits_bv, temperature, top_p, min_p,
+                             filters=spec.filters)
     z_bv = logits_bv if spec.logits_processor is None else spec.logits_processor(logits_bv, row_b, step_b)
     u_b = row_uniforms(row_keys_b, step_b)
     tok_b, slp_b = sample_logits_from_uniforms(u_b, z_bv, temperature, top_p, min_p, filters=spec.filters)
@@ -241,15 +247,19 @@ def prompt_forward(cfg: ModelConfig, params, prompt_bt, mask_bt, *, batch_invari
 
 
 def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars, *, spec: StaticControls,
-            num_samples: int, new_bucket: int, rows=None) -> DecodeState:
+            num_samples: int, new_bucket: int, rows=None, prompt=None) -> DecodeState:
     """Prefills B prompts once, broadcasts the cache to B * n rows and draws token 0.
 
     `max_new` (int32) and `scalars` (temperature, top_p, min_p) are traced; `new_bucket` sizes the
     token buffers. `rows` (traced int32), when given, is the number of real rows: the rows after
-    it (padding prompts, so that a batch bucket compiles once) start stopped and draw nothing."""
+    it (padding prompts, so that a batch bucket compiles once) start stopped and draw nothing.
+    `prompt`, when given, is the prompts' (cache, last logits) computed by the caller instead of
+    `prompt_forward` (image prompts: `rljax.sampling.vision`)."""
     b, p = prompt_bt.shape
     bn = b * num_samples
-    cache, logits_bv = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant)
+    if prompt is None:
+        prompt = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant)
+    cache, logits_bv = prompt
 
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
     cache = pad_slots(cfg, cache, decode_widths(spec, new_bucket)[0])  # the first phase
@@ -288,12 +298,16 @@ def widen(cfg: ModelConfig, state: DecodeState, extra: int) -> DecodeState:
     return state.replace(cache=pad_slots(cfg, state.cache, extra))
 
 
-def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticControls) -> DecodeState:
+def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticControls,
+           rope_cos_sin=None) -> DecodeState:
     """Decodes until `min(limit, max_new)` tokens are drawn or every row has stopped. The caller
-    keeps `limit` within the cache: a cache of P + w slots can draw tokens up to index w - 1."""
+    keeps `limit` within the cache: a cache of P + w slots can draw tokens up to index w - 1.
+    `rope_cos_sin`: per-row rotary tables by position (an image prompt's M-RoPE continuation,
+    `rljax.models.mrope.mrope_table`); default the 1D table."""
     layer_params = unstack_layers(params)  # a no-op when the caller split them (generate, sample)
     # A token's position counts real tokens only, so it is at most its slot: the table covers all.
-    rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
+    if rope_cos_sin is None:
+        rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
     stop_at = jnp.minimum(limit, state.max_new)
 
     def cond(s: DecodeState):
