@@ -37,7 +37,8 @@ def extra_arrays(state) -> dict[str, Any]:
     """The train-state arrays besides params and optimiser state (step, critic, reference, a learned
     reward's running moments); absent ones are left out."""
     extra = {"step": state.step, "value_params": state.value_params, "ref_params": state.ref_params,
-             "reward_moments": None if state.reward_model is None else state.reward_model.moments}
+             "reward_moments": None if state.reward_model is None else state.reward_model.moments,
+             "entropy_coef": state.entropy_coef}
     return {k: v for k, v in extra.items() if v is not None}
 
 

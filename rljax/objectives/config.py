@@ -19,6 +19,8 @@ from typing import Any
 from rljax.config_io import bounded
 from rljax.errors import ConfigError
 from rljax.objectives import distill as _distill  # noqa: F401  (registers the distillation objectives)
+from rljax.objectives import entropy_control as _entropy_control  # noqa: F401  (registers clip_cov, kl_cov)
+from rljax.objectives import rollout_correction as _rollout_correction  # noqa: F401  (icepop, seq_reject, mask_kl)
 from rljax.objectives.registry import (ADVANTAGES, AGGREGATIONS, DISTILLATION, KL_ESTIMATORS, OFF_POLICY,
                                        POLICY_LOSSES, ROLLOUT_NEEDS)
 from rljax.objectives.shaping import RewardShaping
@@ -59,6 +61,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# (field, default, registry, AlgorithmConfig field naming the entry): parameters read only by the
+# entries that declare them in `params`
+_DECLARED_PARAMS = (
+    ("cov_ratio", 0.01, POLICY_LOSSES, "policy_loss"), ("clip_cov_lb", 1.0, POLICY_LOSSES, "policy_loss"),
+    ("clip_cov_ub", 5.0, POLICY_LOSSES, "policy_loss"), ("kl_cov_coef", 1.0, POLICY_LOSSES, "policy_loss"),
+    ("off_policy_low", None, OFF_POLICY, "off_policy"), ("off_policy_high", None, OFF_POLICY, "off_policy"),
+    ("off_policy_mean", "geometric", OFF_POLICY, "off_policy"),
+    ("off_policy_kl_coef", 0.1, OFF_POLICY, "off_policy"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutNeeds:
     """What the objective needs besides tokens, sampler log-probs and rewards, collected from the
@@ -86,7 +99,17 @@ class AlgorithmConfig:
     the current params before updating and treats the sampler's log-probs as the behaviour policy
     for the `off_policy` correction ('none', 'tis', 'mis', or AReaL's 'decoupled' PPO, whose
     trust region is the recomputed proximal policy, at `off_policy_level` token|sequence);
-    `off_policy_cap` is each correction's cap (>= 1; `inf`: uncapped).
+    `off_policy_cap` is each correction's cap (>= 1; `inf`: uncapped). The rollout corrections of
+    `rljax.objectives.rollout_correction` ('icepop', 'seq_reject', 'mask_kl') read the ratio band
+    `off_policy_low`/`off_policy_high` (unset: each one's default), seq_reject the sequence mean
+    `off_policy_mean` (geometric|arithmetic), mask_kl its KL weight `off_policy_kl_coef`.
+
+    Entropy control (`rljax.objectives.entropy_control`): `policy_loss = 'clip_cov' | 'kl_cov'`
+    (Cui et al., 2025) select `cov_ratio` of each mini-batch's tokens by covariance (Clip-Cov
+    within `clip_cov_lb < cov < clip_cov_ub`; KL-Cov weighs |log r| by `kl_cov_coef`);
+    `top_entropy_quantile` = rho keeps the policy loss on the highest-entropy share rho of each
+    mini-batch's tokens (1: off); `entropy_target` (nats) adapts the entropy bonus's coefficient,
+    starting at `entropy_coef`, by `entropy_coef_step` per update toward it (Skywork-OR1).
 
     On-policy distillation from a frozen teacher (`[teacher]`; `rljax.objectives.distill`):
     `distill` names the objective ('none', 'reverse_kl', 'gjsd'), `distill_coef` its weight
@@ -129,6 +152,17 @@ class AlgorithmConfig:
     reward_weight: float | None = bounded(None, ge=0)
     distill_discount: float = bounded(0.0, ge=0, le=1)
     distill_beta: float = bounded(0.5, ge=0, le=1)
+    cov_ratio: float = bounded(0.01, gt=0, le=1)
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = bounded(1.0, ge=0)
+    top_entropy_quantile: float = bounded(1.0, gt=0, le=1)
+    entropy_target: float | None = bounded(None, ge=0)
+    entropy_coef_step: float = bounded(1e-3, ge=0)
+    off_policy_low: float | None = bounded(None, gt=0)
+    off_policy_high: float | None = bounded(None, gt=0)
+    off_policy_mean: str = "geometric"
+    off_policy_kl_coef: float = bounded(0.1, ge=0)
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:
@@ -180,8 +214,48 @@ class AlgorithmConfig:
              or (self.distill != "none" and "distill_discount" in DISTILLATION.params(self.distill)),
              f"distill_discount={self.distill_discount} applies to distill="
              f"{', '.join(map(repr, DISTILLATION.declaring('distill_discount')))} only; set it to 0")
+        # a piece's parameter set away from its default on a piece that does not read it is an error
+        for field, default, registry, entry in _DECLARED_PARAMS:
+            value, name = getattr(self, field), getattr(self, entry)
+            need(value == default or field in registry.params(name),
+                 f"{field}={value} has no effect on {entry}={name!r}; it applies to "
+                 f"{', '.join(map(repr, registry.declaring(field)))} only: remove it")
+        need(self.clip_cov_lb < self.clip_cov_ub,
+             f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}")
+        need(self.off_policy_low is None or self.off_policy_high is None or self.off_policy_low < self.off_policy_high,
+             f"off_policy_low={self.off_policy_low} must be below off_policy_high={self.off_policy_high}")
+        need(self.off_policy_mean in ("geometric", "arithmetic"),
+             f"off_policy_mean={self.off_policy_mean!r}; choose one of geometric, arithmetic")
+        need(0 < self.top_entropy_quantile <= 1,
+             f"top_entropy_quantile={self.top_entropy_quantile} must lie in (0, 1] (1: every token)")
+        need(self.entropy_target is None or self.entropy_target >= 0,
+             f"entropy_target={self.entropy_target} must be >= 0 nats (or unset: a fixed entropy_coef)")
         need("values" not in ADVANTAGES.needs(self.advantage) or self.value_coef > 0,
              f"advantage={self.advantage!r} needs a value model: set value_coef > 0")
+
+    @property
+    def off_policy_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the `off_policy` correction: cap and level, and the bounds and
+        mean when set (unset: the correction's own defaults)."""
+        kw = dict(cap=self.off_policy_cap, level=self.off_policy_level, mean=self.off_policy_mean)
+        kw.update({k: v for k, v in (("low", self.off_policy_low), ("high", self.off_policy_high)) if v is not None})
+        return kw
+
+    @property
+    def off_policy_kl(self) -> bool:
+        """Whether the correction adds a KL term on the tokens it zeroed (`mask_kl`)."""
+        return "off_policy_kl_coef" in OFF_POLICY.params(self.off_policy) and self.off_policy_kl_coef > 0
+
+    @property
+    def token_controls(self) -> bool:
+        """Whether the update scores each mini-batch first to select tokens mini-batch-wide: a
+        policy loss that declares a selection (clip_cov, kl_cov) or the high-entropy mask."""
+        return POLICY_LOSSES.selects(self.policy_loss) is not None or self.top_entropy_quantile < 1.0
+
+    @property
+    def adaptive_entropy(self) -> bool:
+        """Whether the entropy coefficient adapts toward `entropy_target` (carried in the state)."""
+        return self.entropy_target is not None
 
     @property
     def uses_reference(self) -> bool:

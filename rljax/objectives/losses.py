@@ -147,7 +147,8 @@ def value_loss(values_bt, old_values_bt, returns_bt, clip_eps: float | None = 0.
 # e^100 pass a cap above e^20.
 
 
-def _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level):
+def log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level):
+    """sg(log pi_old - log mu) per token (0 off the mask), or its row sum at level 'sequence'."""
     # where, not a product: padding may hold -inf log-probs, and -inf * 0 is NaN
     log_w = jnp.where(mask_bt > 0, old_logp_bt - behaviour_logp_bt, 0.0)
     if level == "sequence":
@@ -158,31 +159,31 @@ def _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level):
 
 
 @OFF_POLICY.register("none")
-def no_correction(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+def no_correction(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token", **_):
     """No correction: weight 1 everywhere (on-policy samples, or a trusted sampler)."""
     return jnp.ones_like(old_logp_bt), mask_bt
 
 
 @OFF_POLICY.register("tis", params=("off_policy_cap", "off_policy_level"))
-def truncated_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+def truncated_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token", **_):
     """Truncated importance sampling: w = min(pi_old / mu, cap), per token or per sequence
     (w = prod_t ratio_t) (Ionides, 2008; as used for sampler/trainer mismatch by verl and TRL)."""
-    log_w = _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
+    log_w = log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
     w = clamped_ratio(jnp.minimum(log_w, jnp.log(cap)))
     return w, mask_bt
 
 
 @OFF_POLICY.register("mis", params=("off_policy_cap", "off_policy_level"))
-def masked_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+def masked_is(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token", **_):
     """Masked importance sampling: drop tokens (or whole sequences) whose ratio pi_old / mu lies
     outside [1/cap, cap]; the rest keep weight 1."""
-    log_w = _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
+    log_w = log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
     keep = jnp.abs(log_w) <= jnp.log(cap)
     return jnp.ones_like(old_logp_bt), mask_bt * keep.astype(mask_bt.dtype)
 
 
 @OFF_POLICY.register("decoupled", params=("off_policy_cap", "off_policy_level"))
-def decoupled_ppo(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token"):
+def decoupled_ppo(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="token", **_):
     """AReaL's decoupled PPO (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
     Learning System for Language Reasoning"), as the weight of the clipped surrogate:
 
@@ -206,6 +207,6 @@ def decoupled_ppo(old_logp_bt, behaviour_logp_bt, mask_bt, *, cap=2.0, level="to
     uncapped (AReaL's None). `level='sequence'` uses the row's product of ratios (AReaL's is per
     token). With mu = pi_prox the weight is exactly 1 and the loss is PPO's clipped surrogate.
     """
-    log_w = _log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
+    log_w = log_weights(old_logp_bt, behaviour_logp_bt, mask_bt, level)
     w = jnp.where(log_w <= jnp.log(cap), clamped_ratio(log_w), 0.0)
     return w, mask_bt

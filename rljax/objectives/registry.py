@@ -15,6 +15,11 @@ reads, so what an algorithm needs is read off its entries rather than kept in si
   field an entry does not read (gamma or lam != 1 on a sequence-level estimator) is a config
   error rather than a silently ignored setting.
 
+- `selects`: a policy loss that acts on tokens chosen over the whole mini-batch (Clip-Cov,
+  KL-Cov) declares its selection, fn(logp_bt, old_logp_bt, adv_bt, mask_bt, key, algo) ->
+  select_bt; the update step scores the mini-batch without gradients, calls it once per
+  mini-batch with the update's key, and hands the loss `select_bt` (`rljax.update.controls`).
+
 Only advantage estimators and distillation objectives declare needs and reads (they are what
 receives the rollout's optional fields); every registry's entries declare params.
 """
@@ -47,9 +52,10 @@ class Registry(Generic[F]):
         self._needs: dict[str, frozenset[str]] = {}
         self._reads: dict[str, frozenset[str]] = {}
         self._params: dict[str, frozenset[str]] = {}
+        self._selects: dict[str, Callable | None] = {}
 
     def register(self, name: str, *, needs: tuple[str, ...] = (), reads: tuple[str, ...] = (),
-                 params: tuple[str, ...] = ()) -> Callable[[F], F]:
+                 params: tuple[str, ...] = (), selects: Callable | None = None) -> Callable[[F], F]:
         """Decorator: `@ADVANTAGES.register("gae", needs=("values",), params=("gamma", "lam"))`
         adds the function under `name`, with what it needs produced (names in `ROLLOUT_NEEDS`),
         the optional rollout fields it reads (`ROLLOUT_READS`) and the `AlgorithmConfig` fields
@@ -70,6 +76,7 @@ class Registry(Generic[F]):
             self._needs[name] = frozenset(needs)
             self._reads[name] = frozenset(reads)
             self._params[name] = frozenset(params)
+            self._selects[name] = selects
             return fn
         return add
 
@@ -87,6 +94,11 @@ class Registry(Generic[F]):
         """The `AlgorithmConfig` fields the entry `name` reads."""
         self.get(name)
         return self._params[name]
+
+    def selects(self, name: str) -> Callable | None:
+        """The entry's mini-batch token selection (see the module docstring), or None."""
+        self.get(name)
+        return self._selects[name]
 
     def reading(self, field: str) -> tuple[str, ...]:
         """The entries that read the rollout field `field`, sorted (for error messages)."""

@@ -24,6 +24,7 @@ from rljax.objectives.advantages import scale_negative_advantages, whiten_advant
 from rljax.objectives.config import check_turn_credit
 from rljax.objectives.kl import kl
 from rljax.objectives.registry import ADVANTAGES, DISTILLATION, OFF_POLICY
+from rljax.objectives.rollout_correction import mask_kl_tokens
 from rljax.rewards.judge import judge_rows, parse_verdicts
 from rljax.rewards.learned import pair_agreement
 from rljax.sampling import SampleControls, sample
@@ -101,14 +102,18 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
 
     policy, critic = state.models()  # no LoRA dropout: these are the policy's own log-probs
     sampler_logp = batch.sampler_logp_bt.astype(f32)
+    correction_kl = None
     old_logp, is_w = sampler_logp, jnp.ones_like(mask)
     if algo.recompute_old_logp:
         trainer_logp = score(policy)
-        is_w, kept = OFF_POLICY.get(algo.off_policy)(trainer_logp, sampler_logp, mask, cap=algo.off_policy_cap,
-                                                    level=algo.off_policy_level)
+        is_w, kept = OFF_POLICY.get(algo.off_policy)(trainer_logp, sampler_logp, mask, **algo.off_policy_kwargs)
         metrics.update(logp_mismatch(trainer_logp, sampler_logp, mask))
         metrics["train/is_weight_mean"] = jnp.sum(is_w * kept) / jnp.maximum(jnp.sum(kept), 1.0)
         metrics["train/is_dropped_frac"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(mask), 1.0)
+        if algo.off_policy != "none":  # zeroed in place (IcePop, mask_kl) and whole rows rejected
+            metrics.update(correction_shares(is_w, mask, kept))
+        if algo.off_policy_kl:
+            correction_kl = mask_kl_tokens(is_w, kept)
         old_logp, mask = trainer_logp, kept
     ref_logp, token_rewards = None, rm_token_rewards
     if needs.reference_logp:
@@ -160,8 +165,21 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     prepared = PreparedBatch(tokens_bt=toks, attn_mask_bt=attn, loss_mask_bt=mask, old_logp_bt=old_logp,
                              is_weight_bt=is_w, advantages_bt=adv, ref_logp_bt=ref_logp,
                              old_values_bt=old_values, returns_bt=returns, teacher_hidden_btd=teacher_hidden,
-                             reward_model_scores_b=rm_scores)
+                             reward_model_scores_b=rm_scores,
+                             behaviour_logp_bt=None if correction_kl is None else sampler_logp,
+                             correction_kl_bt=correction_kl)
     return prepared, metrics
+
+
+def correction_shares(weight_bt, mask_bt, kept_bt) -> dict[str, jax.Array]:
+    """What a rollout correction removed, over the completion tokens before it: `train/is_zeroed_frac`,
+    the tokens kept in the mask at weight 0 (IcePop, mask_kl, decoupled's cap), and
+    `train/is_rejected_rows`, the share of rows with tokens that lost all of them (seq_reject, MIS)."""
+    n = jnp.maximum(jnp.sum(mask_bt), 1.0)
+    had_b = jnp.sum(mask_bt, -1) > 0
+    lost_b = had_b & (jnp.sum(kept_bt, -1) == 0)
+    return {"train/is_zeroed_frac": jnp.sum(jnp.where(kept_bt > 0, weight_bt == 0, False)) / n,
+            "train/is_rejected_rows": jnp.sum(lost_b) / jnp.maximum(jnp.sum(had_b), 1)}
 
 
 def _learned_reward(rm, batch: RolloutBatch, mask, trained_b, chunks: int):

@@ -79,7 +79,10 @@ class PreparedBatch:
     log-probs (KL term); old_values_bt / returns_bt: the value model's targets (PPO);
     teacher_hidden_btd: a distillation teacher's final hidden states (a full-vocabulary loss);
     reward_model_scores_b: a learned reward model's raw score of each row (its running moments
-    are updated from them).
+    are updated from them); behaviour_logp_bt / correction_kl_bt: the sampler's log-probs and the
+    tokens a `mask_kl` correction zeroed, for its KL term. Per mini-batch, set by the update
+    step's token controls (`rljax.update.controls`): select_bt, the policy loss's selected tokens
+    (Clip-Cov, KL-Cov); entropy_keep_bt, the high-entropy tokens that keep the policy loss.
     """
 
     tokens_bt: jax.Array
@@ -93,6 +96,10 @@ class PreparedBatch:
     returns_bt: jax.Array | None = None
     teacher_hidden_btd: jax.Array | None = None
     reward_model_scores_b: jax.Array | None = None
+    behaviour_logp_bt: jax.Array | None = None
+    correction_kl_bt: jax.Array | None = None
+    select_bt: jax.Array | None = None
+    entropy_keep_bt: jax.Array | None = None
 
 
 def state_values(cfg, value_params, tokens_bt, attn_mask_bt, *, remat: bool = False, unroll: bool = False):

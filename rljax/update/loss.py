@@ -21,6 +21,7 @@ from rljax.objectives.config import AlgorithmConfig
 from rljax.objectives.kl import kl
 from rljax.objectives.losses import value_loss
 from rljax.objectives.registry import DISTILLATION, POLICY_LOSSES
+from rljax.objectives.rollout_correction import mask_kl_penalty
 from rljax.update.batch import PreparedBatch, state_values
 from rljax.update.config import UpdateConfig
 from rljax.update.packing import Slab
@@ -38,7 +39,7 @@ def aggregation_denominator(batch: PreparedBatch, algo: AlgorithmConfig, norm_le
 
 def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: ModelConfig, algo: AlgorithmConfig,
                     update_cfg: UpdateConfig, norm_length: int, share: float = 1.0, models=None,
-                    slab: Slab | None = None, teacher: FrozenModel | None = None
+                    slab: Slab | None = None, teacher: FrozenModel | None = None, entropy_coef=None
                     ) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
     """Total loss of one micro-batch (numerators over the mini-batch denominator `den`) and its
     metrics: (numerator, denominator) pairs and extremes. `share` is this micro-batch's share of
@@ -51,11 +52,18 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     loss reads only those rows (the others are masked out).
 
     A distillation loss (`algorithm.distill = "gjsd"`) adds distill_coef x its aggregated
-    per-token divergence to the `teacher`'s distribution (hidden states from `prepare_batch`)."""
+    per-token divergence to the `teacher`'s distribution (hidden states from `prepare_batch`).
+
+    Entropy and rollout controls: `entropy_coef` is the adaptive coefficient carried in the train
+    state (`algorithm.entropy_target`; None: `algorithm.entropy_coef`); a mini-batch's
+    `select_bt` goes to a selecting policy loss (Clip-Cov, KL-Cov), its `entropy_keep_bt`
+    multiplies the policy loss (the high-entropy tokens keep it, the others stay in the
+    denominator, as in TRL), and a `mask_kl` correction adds off_policy_kl_coef x the aggregated
+    1/2 (log pi - log mu)^2 on the tokens it zeroed (`rljax.objectives.rollout_correction`)."""
     params, value_params = trainable if models is None else models(trainable)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
-    with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy
+    with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy or algo.adaptive_entropy
     v_bt = None
     distill = DISTILLATION.get(algo.distill) if algo.distill != "none" else None
     distill_loss = distill is not None and distill.kind == "loss"
@@ -73,10 +81,13 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
                                       batch.attn_mask_bt, with_entropy=with_entropy, chunks=lp_chunks,
                                       remat=update_cfg.remat, unroll=update_cfg.layers_unrolled())
         m = m * slab.rows()[:, None].astype(m.dtype)
+    selected = {} if batch.select_bt is None else dict(select_bt=batch.select_bt, kl_cov_coef=algo.kl_cov_coef)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
         logp, batch.old_logp_bt, batch.advantages_bt, m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
-        dual_clip=algo.dual_clip)
+        dual_clip=algo.dual_clip, **selected)
     pg_bt = pg_bt * batch.is_weight_bt
+    if batch.entropy_keep_bt is not None:
+        pg_bt = pg_bt * batch.entropy_keep_bt
 
     def agg(x_bt):
         return aggregate_parts(x_bt, m, algo.aggregation, norm_length)[0]
@@ -98,10 +109,19 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     }
     if ent is not None:
         ent_num = agg(ent)
-        if algo.entropy_coef > 0:
+        if algo.adaptive_entropy:
+            coef = algo.entropy_coef if entropy_coef is None else entropy_coef
+            total = total - coef * ent_num / den
+        elif algo.entropy_coef > 0:
             total = total - algo.entropy_coef * ent_num / den
         pairs["loss/entropy"] = (sg(ent_num), loss_den)
         pairs["entropy"] = (msum(ent), n_tok)
+        if algo.token_controls or algo.adaptive_entropy:
+            pairs["policy/entropy"] = (msum(ent), n_tok)
+    if batch.correction_kl_bt is not None:
+        num_ckl = agg(mask_kl_penalty(logp, batch.behaviour_logp_bt, batch.correction_kl_bt))
+        total = total + algo.off_policy_kl_coef * num_ckl / den
+        pairs["loss/off_policy_kl"] = (sg(num_ckl), loss_den)
     if algo.uses_reference:
         kl_bt = kl(logp, batch.ref_logp_bt, algo.kl_estimator, clamp=algo.kl_clamp)
         pairs["kl_ref"] = (msum(kl_bt), n_tok)

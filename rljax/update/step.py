@@ -31,12 +31,14 @@ from rljax.models import ModelConfig, init_value_params
 from rljax.models.auxiliary import FrozenModel, check_vocabulary
 from rljax.rewards.learned import LearnedReward
 from rljax.objectives.config import AlgorithmConfig
+from rljax.objectives.entropy_control import adaptive_entropy_coef
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig, make_optimizer, make_schedule
 from rljax.sharding import Layout, sync_weights
 from rljax.update.advantages import prepare_batch
 from rljax.update.batch import RolloutBatch, rows
 from rljax.update.config import UpdateConfig
+from rljax.update.controls import fast_logp, token_controls
 from rljax.update.loss import aggregation_denominator, microbatch_loss
 from rljax.update.packing import Slab, pack_rows, pad_fraction
 
@@ -56,7 +58,11 @@ class TrainState:
     the policy's vocabulary) when the objective distils (`algorithm.distill`): scored inside the
     update, never trained, and returned as it came. `reward_model` is a learned reward
     (`rljax.rewards.learned.LearnedReward`): a frozen reward model scored inside the update, whose
-    weighted score joins the verifier's rewards; only its running moments change."""
+    weighted score joins the verifier's rewards; only its running moments change.
+
+    `entropy_coef` is the adaptive entropy coefficient (`algorithm.entropy_target`; None without
+    one): the loss uses it, and each update moves it toward the target
+    (`rljax.objectives.entropy_control.adaptive_entropy_coef`)."""
 
     model_cfg: ModelConfig = flax.struct.field(pytree_node=False)
     algo: AlgorithmConfig = flax.struct.field(pytree_node=False)
@@ -72,6 +78,7 @@ class TrainState:
     lora: LoraConfig | None = flax.struct.field(pytree_node=False, default=None)
     teacher: FrozenModel | None = None
     reward_model: LearnedReward | None = None
+    entropy_coef: jax.Array | None = None
 
     @property
     def trainable(self) -> tuple[Params, Params | None]:
@@ -148,7 +155,8 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
                               params, value_params, adapters, key)
     shardings = layout.tree(abstract)
     params = _in_layout(params, shardings.params)
-    out = {name: getattr(shardings, name) for name in ("step", "opt_state", "value_params", "ref_params", "adapters")}
+    out = {name: getattr(shardings, name)
+           for name in ("step", "opt_state", "value_params", "ref_params", "adapters", "entropy_coef")}
     return TrainState(**configs, params=params,
                       **jax.jit(build, out_shardings=out)(params, value_params, adapters, key))
 
@@ -170,7 +178,8 @@ def _fresh_parts(model_cfg: ModelConfig, algo: AlgorithmConfig, optim: OptimConf
     trained = params if lora is None else adapters
     return {"step": jnp.zeros((), jnp.int32), "opt_state": make_optimizer(optim).init((trained, value_params)),
             "value_params": value_params, "adapters": adapters if lora is not None else None,
-            "ref_params": _copy(params) if needs.reference_logp and lora is None else None}
+            "ref_params": _copy(params) if needs.reference_logp and lora is None else None,
+            "entropy_coef": jnp.asarray(algo.entropy_coef, jnp.float32) if algo.adaptive_entropy else None}
 
 
 def _in_layout(params: Params, shardings) -> Params:
@@ -233,7 +242,7 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
             models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
             (_, aux), grads = grad_fn(trainable, part, den, cfg=cfg, algo=algo, update_cfg=sched,
                                       norm_length=norm_length, share=1.0 / n_micro, models=models,
-                                      teacher=state.teacher)
+                                      teacher=state.teacher, entropy_coef=state.entropy_coef)
             return jax.tree.map(jnp.add, g_acc, grads), aux
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
@@ -252,7 +261,7 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
             models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
             return grad_fn(trainable, mb, den, cfg=cfg, algo=algo, update_cfg=sched, norm_length=norm_length,
                            share=1.0 / jnp.maximum(n_slabs, 1), models=models, slab=Slab(plan, i * per, per),
-                           teacher=state.teacher)
+                           teacher=state.teacher, entropy_coef=state.entropy_coef)
 
         def body(i, carry):
             g_acc, pairs_acc, ext_acc = carry
@@ -275,8 +284,13 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
     def minibatch(carry, xs):
         (trainable, opt_state), (mb, mb_key) = carry, xs
         den = aggregation_denominator(mb, algo, norm_length)
+        control_pairs = {}
+        if algo.token_controls:  # selections over the whole mini-batch (rljax.update.controls)
+            known = mb.old_logp_bt if fast_logp(algo, sched) else None
+            mb, control_pairs = token_controls(state, trainable, mb, mb_key, chunks=n_micro, logp_bt=known)
         accumulate = packed_microbatches if sched.packing else microbatches
         grads, pairs, ext = accumulate(trainable, mb, mb_key, den)
+        pairs.update(control_pairs)
         pairs["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return (optax.apply_updates(trainable, updates), opt_state), (pairs, ext)
@@ -307,13 +321,19 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
         metrics["update/logp_diff_max"] = ext["logp_diff/abs_max"][0, 0]
     metrics["update/ratio_first_min"] = ext["ratio/min"][0, 0]
     metrics["update/ratio_first_max"] = ext["ratio/max"][0, 0]
+    entropy_coef = state.entropy_coef
+    if algo.adaptive_entropy:  # Skywork-OR1: toward the target, from this update's entropy
+        metrics["entropy/coef"] = entropy_coef
+        entropy_coef = adaptive_entropy_coef(entropy_coef, metrics["entropy"], algo.entropy_target,
+                                             algo.entropy_coef_step)
+        metrics["entropy/coef_next"] = entropy_coef
     metrics["lr"] = make_schedule(state.optim)(state.step)
     metrics["num_updates"] = jnp.asarray(sched.num_epochs * n_mb, jnp.int32)
     reward_model = state.reward_model
     if reward_model is not None:  # the batch joins the learned reward's running moments
         reward_model = reward_model.observe(prepared.reward_model_scores_b, jnp.sum(prepared.loss_mask_bt, -1) > 0)
     new_state = state.replace(step=state.step + sched.num_epochs * n_mb, value_params=value_params,
-                              opt_state=opt_state, reward_model=reward_model,
+                              opt_state=opt_state, reward_model=reward_model, entropy_coef=entropy_coef,
                               **{"params" if state.adapters is None else "adapters": trained})
     return new_state, metrics
 

@@ -59,7 +59,10 @@ def np_pg(logp, old, adv, mask, el, eh):
     return -adv * np.exp(logp - old)
 
 
-NP_LOSSES = {"ppo_clip": np_ppo, "gspo": np_gspo, "cispo": np_cispo, "topr": np_topr, "pg": np_pg}
+# clip_cov and kl_cov select no token when called without `select_bt` (their selected-token forms
+# are checked in tests/objectives/test_entropy_control.py): PPO's clip and the unclipped -A r
+NP_LOSSES = {"ppo_clip": np_ppo, "gspo": np_gspo, "cispo": np_cispo, "topr": np_topr, "pg": np_pg,
+             "clip_cov": np_ppo, "kl_cov": np_pg}
 
 
 def np_aggregate(loss, mask, mode, norm_length=None):
@@ -164,7 +167,8 @@ def test_kl_estimator_gradients(name):
 @pytest.mark.parametrize("name", ["k1", "k3", "k3+"])
 def test_kl_clamp_bounds_the_estimate(name):
     """kl(..., clamp=c) is clip(estimate, -c, c) (verl clamps k3 to +-10), with zero gradient where
-    it binds; clamp=None leaves the estimate as it is. Catches the old kl(), which had no clamp."""
+    it binds (k1, k3; k3+ keeps k2's gradient there: test_k3_plus_under_a_clamp_keeps_k2_gradient);
+    clamp=None leaves the estimate as it is. Catches the old kl(), which had no clamp."""
     logp = np.array([-1.0, -0.5, -20.0, -0.1, -3.0])
     ref = np.array([-1.2, -15.0, -0.5, -14.0, -2.5])  # log r = ref - logp reaches -14.5 and 19.5
     lr = ref - logp
@@ -174,7 +178,9 @@ def test_kl_clamp_bounds_the_estimate(name):
         np.testing.assert_allclose(np.asarray(f(jnp.asarray(logp), 10.0)), np.clip(raw, -10, 10), rtol=1e-12)
         np.testing.assert_allclose(np.asarray(f(jnp.asarray(logp), None)), raw, rtol=1e-12)
         g = np.asarray(jax.grad(lambda lp: jnp.sum(f(lp, 10.0)))(jnp.asarray(logp)))
-    assert np.all(g[np.abs(raw) > 10] == 0) and np.all(g[np.abs(raw) < 10] != 0)
+    if name != "k3+":
+        assert np.all(g[np.abs(raw) > 10] == 0)
+    assert np.all(g[np.abs(raw) < 10] != 0)
 
 
 @pytest.mark.parametrize("name", ["k3", "k3+"])
@@ -380,7 +386,7 @@ def test_every_algorithm_preset_builds_and_pieces_override():
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(algorithm="grpoo"), "choose one of cispo, dapo, dr_grpo"),
     (dict(advantage="gea"), "unknown advantage estimator 'gea'; choose one of dr_grpo, gae"),
-    (dict(policy_loss="ppo"), "unknown policy loss 'ppo'; choose one of cispo, gspo, pg, ppo_clip, topr"),
+    (dict(policy_loss="ppo"), "unknown policy loss 'ppo'; choose one of cispo, clip_cov, gspo, kl_cov, pg, ppo_clip, topr"),
     (dict(aggregation="mean"), "choose one of seq-mean-token-mean"),
     (dict(kl_estimator="k4"), "choose one of abs, k1, k2, k3, k3+"),
     (dict(off_policy="tis"), "needs recompute_old_logp=True"),

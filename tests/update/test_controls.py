@@ -1,0 +1,113 @@
+"""Token controls through the update step: the selection's scope is the mini-batch whatever the
+micro-batching or packing, the fast path equals the scoring pass, the adaptive entropy
+coefficient lives in the train state, and every existing preset is bitwise unchanged with the
+new options off."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_step import _batch, _state
+
+from rljax.objectives import PRESETS, AlgorithmConfig
+from rljax.update import UpdateConfig, prepare_batch, update_step
+from rljax.update.controls import token_controls
+
+# bounds wide enough that Clip-Cov's candidates are most tokens: the draw is what is compared
+WIDE = dict(clip_cov_lb=-100.0, clip_cov_ub=100.0, cov_ratio=0.3)
+
+
+def _run(algo, sched, seed=0):
+    state = _state(algo, update_cfg=sched)
+    return update_step(state, _batch(seed), jax.random.key(7))
+
+
+@pytest.mark.parametrize("kw", [dict(policy_loss="clip_cov", **WIDE),
+                                dict(policy_loss="kl_cov", cov_ratio=0.2, top_entropy_quantile=0.5)])
+def test_selection_scope_is_the_minibatch_whatever_the_microbatching(kw):
+    """1 and 4 micro-batches and packing select the same tokens and give the same update: every
+    mean, top-k, quantile and draw runs over the mini-batch (`rljax.update.controls`). Fails with
+    the selection inside `microbatch_loss` (per micro-batch, verl's scope): 4 micro-batches of 2
+    rows would each take max(int(ratio n), 1) of their own tokens, with their own means."""
+    algo = AlgorithmConfig(algorithm="grpo", **kw)
+    s1, m1 = _run(algo, UpdateConfig(num_microbatches=1))
+    for sched in (UpdateConfig(num_microbatches=4), UpdateConfig(packing=True, max_tokens_per_microbatch=24)):
+        s2, m2 = _run(algo, sched)
+        assert float(m2["policy/cov_clipped_share"]) == float(m1["policy/cov_clipped_share"]) > 0
+        for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-5)
+
+
+def test_fast_path_logp_equals_the_scoring_pass():
+    """With one mini-batch, one epoch and recompute_old_logp, the selection reads `old_logp_bt`
+    instead of scoring the mini-batch again; both give the same selection. Fails if the fast path
+    read the sampler's log-probs (they carry noise here)."""
+    algo = AlgorithmConfig(algorithm="grpo", policy_loss="kl_cov", cov_ratio=0.2, recompute_old_logp=True)
+    state = _state(algo, update_cfg=UpdateConfig())
+    batch = _batch(3, noise=0.5)
+    prepared, _ = prepare_batch(state, batch)
+    key = jax.random.key(0)
+    slow, _ = token_controls(state, state.trainable, prepared, key, chunks=1)
+    fast, _ = token_controls(state, state.trainable, prepared, key, chunks=1, logp_bt=prepared.old_logp_bt)
+    np.testing.assert_array_equal(np.asarray(fast.select_bt), np.asarray(slow.select_bt))
+    sampler = prepared.replace(old_logp_bt=batch.sampler_logp_bt)
+    wrong, _ = token_controls(state, state.trainable, sampler, key, chunks=1, logp_bt=batch.sampler_logp_bt)
+    assert not np.array_equal(np.asarray(wrong.select_bt), np.asarray(slow.select_bt))
+
+
+def test_adaptive_entropy_coefficient_is_carried_and_logged():
+    """The coefficient starts at entropy_coef, is logged as entropy/coef, and after each update
+    moves by entropy_coef_step toward the target (up: the tiny model's entropy ~4.8 nats is under
+    a target of 10; down under a target of 1)."""
+    for target, sign in ((10.0, 1), (1.0, -1)):
+        algo = AlgorithmConfig(algorithm="grpo", entropy_coef=0.01, entropy_target=target, entropy_coef_step=0.002)
+        state = _state(algo)
+        assert float(state.entropy_coef) == np.float32(0.01)
+        state, m = update_step(state, _batch(0), jax.random.key(0))
+        assert float(m["entropy/coef"]) == np.float32(0.01) and float(m["policy/entropy"]) > 0
+        np.testing.assert_allclose(float(state.entropy_coef), 0.01 + sign * 0.002, rtol=1e-6)
+        state, m = update_step(state, _batch(1), jax.random.key(1))
+        np.testing.assert_allclose(float(m["entropy/coef"]), 0.01 + sign * 0.002, rtol=1e-6)
+
+
+NEW_KEYS = ("policy/", "entropy/coef", "loss/off_policy_kl")
+
+
+@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"opd", "gkd"}))
+def test_presets_are_bitwise_unchanged_with_the_new_options_off(preset):
+    """Every preset (the distillation ones need a teacher and are covered by their own tests)
+    gives bitwise the same update and metrics with the new fields at their off values spelled
+    out, and no new code path runs (no policy/... or entropy/coef metric, no entropy_coef in the
+    state). Fails if a default turned a control on (e.g. top_entropy_quantile < 1)."""
+    kw = dict(kl_coef=0.01) if preset in ("grpo", "reinforce_pp") else {}
+    off = dict(top_entropy_quantile=1.0, entropy_target=None, cov_ratio=0.01, off_policy_low=None,
+               off_policy_high=None, off_policy_mean="geometric", off_policy_kl_coef=0.1)
+    sched = UpdateConfig(num_microbatches=2)
+    s1, m1 = _run(AlgorithmConfig(algorithm=preset, **kw), sched)
+    s2, m2 = _run(AlgorithmConfig(algorithm=preset, **kw, **off), sched)
+    assert s1.entropy_coef is None and s2.entropy_coef is None
+    assert not [k for k in m1 if k.startswith(NEW_KEYS)]
+    assert set(m1) == set(m2)
+    for k in m1:
+        assert np.array_equal(np.asarray(m1[k]), np.asarray(m2[k]), equal_nan=True), k
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kw", [dict(off_policy="icepop"), dict(off_policy="seq_reject", off_policy_mean="arithmetic"),
+                                dict(off_policy="mask_kl", off_policy_low=0.97, off_policy_high=1.03)])
+def test_corrections_run_with_packing_and_lora(kw):
+    """Each rollout correction runs through the packed update and under LoRA with finite metrics,
+    and the packed update equals the padded one (the corrections act in prepare_batch and on the
+    padded rows the loss reads). Fails if a correction's KL term or mask read packed buffers."""
+    from rljax.lora import LoraConfig
+    algo = AlgorithmConfig(algorithm="grpo", recompute_old_logp=True, **kw)
+    s1, m1 = _run(algo, UpdateConfig())
+    s2, m2 = _run(algo, UpdateConfig(packing=True, max_tokens_per_microbatch=24))
+    np.testing.assert_allclose(float(m2["loss/policy"]), float(m1["loss/policy"]), rtol=1e-5, atol=1e-7)
+    assert float(m1["train/is_zeroed_frac"]) + float(m1["train/is_rejected_rows"]) >= 0
+    lora = _state(algo, update_cfg=UpdateConfig(), lora=LoraConfig(rank=4))
+    lora, m3 = update_step(lora, _batch(0), jax.random.key(7))
+    assert all(np.isfinite(float(v)) for v in m3.values())
+    if kw["off_policy"] == "mask_kl":
+        assert float(m1["loss/off_policy_kl"]) > 0 and float(m1["train/is_zeroed_frac"]) > 0
