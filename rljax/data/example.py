@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rljax.errors import DataError
+from rljax.rewards.base import QUESTION_KEY
 from rljax.rewards.reasoning import ENTRY_KEY
 from rljax.rewards.routing import TASK_KEY
 
@@ -48,9 +49,11 @@ class Example:
 
 
 def verifier_metadata(example: Example) -> dict[str, Any]:
-    """What verifiers read: the answer, tests, the raw task entry and the example's metadata."""
+    """What verifiers read: the answer, tests, the raw task entry, the question (the text of every
+    message for a chat example: verifiers refuse a reply that restates it) and the example's metadata."""
+    question = example.question or "\n".join(str(m.get("content", "")) for m in example.messages or ())
     meta = {**example.metadata, "answer": example.answer, "tests": example.tests, ENTRY_KEY: example.entry,
-            "id": example.id}
+            "id": example.id, QUESTION_KEY: question}
     if example.task is not None:
         meta[TASK_KEY] = example.task
     return meta

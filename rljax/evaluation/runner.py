@@ -20,7 +20,7 @@ import numpy as np
 from rljax.data.example import Example, verifier_metadata
 from rljax.data.templates import PromptFormat, encode_prompts
 from rljax.evaluation.metrics import mean_pass_at_k, mean_with_ci
-from rljax.rewards import RewardFn
+from rljax.rewards import AUDIT_PART, RewardFn
 from rljax.sampling import SampleControls, generate
 from rljax.tokenizers import pad_batch
 
@@ -60,25 +60,40 @@ class EvalSetup:
             yield idx, min(b, n - start)
 
 
-def _correct(setup: EvalSetup, params, idx, controls: SampleControls, key) -> np.ndarray:
-    """[len(idx), n] bool: whether each of the n completions of problems `idx` is correct."""
+def _judged(setup: EvalSetup, params, idx, controls: SampleControls, key) -> dict[str, np.ndarray]:
+    """``{"correct": [len(idx), n] bool}``: whether each of the n completions of problems `idx` is
+    correct, plus ``"audit"``, the stricter check's verdict, when the reward has an audit part."""
     n = controls.num_samples
     out = generate(setup.model_cfg, params, setup.tokens_bt[idx], setup.mask_bt[idx], key=key, controls=controls)
     tokens, mask = jax.device_get((out.tokens, out.mask))
     texts = setup.tokenizer.decode_batch([row[m].tolist() for row, m in zip(tokens, mask)])
     rows = np.repeat(idx, n)
     rewards, _ = setup.reward_fn.batch([setup.metadata[i] for i in rows], texts, num_tokens=mask.sum(1))
-    part = rewards.parts.get("correct", rewards.total_b)
-    return (np.asarray(part) >= 1.0).reshape(len(idx), n)
+    parts = {"correct": rewards.parts.get("correct", rewards.total_b)}
+    if AUDIT_PART in rewards.parts:
+        parts[AUDIT_PART] = rewards.parts[AUDIT_PART]
+    return {k: (np.asarray(v) >= 1.0).reshape(len(idx), n) for k, v in parts.items()}
+
+
+def _correct(setup: EvalSetup, params, idx, controls: SampleControls, key) -> np.ndarray:
+    """[len(idx), n] bool: whether each of the n completions of problems `idx` is correct."""
+    return _judged(setup, params, idx, controls, key)["correct"]
+
+
+def greedy_judged(setup: EvalSetup, params) -> dict[str, np.ndarray]:
+    """``{"correct": bool [len(setup.examples)]}`` for each held-out problem's greedy completion,
+    plus ``"audit"`` (the stricter check) when the reward has one."""
+    if not setup.examples:
+        return {"correct": np.zeros(0, bool)}
+    controls = setup.controls.greedy_version()
+    tables = [_judged(setup, params, idx, controls, jax.random.key(0)) for idx, _ in setup.batches()]
+    reals = [real for _, real in setup.batches()]
+    return {k: np.concatenate([t[k][:real, 0] for t, real in zip(tables, reals)]) for k in tables[0]}
 
 
 def greedy_solved(setup: EvalSetup, params) -> np.ndarray:
     """bool ``[len(setup.examples)]``: whether each held-out problem's greedy completion is correct."""
-    if not setup.examples:
-        return np.zeros(0, bool)
-    controls = setup.controls.greedy_version()
-    solved = [_correct(setup, params, idx, controls, jax.random.key(0))[:real, 0] for idx, real in setup.batches()]
-    return np.concatenate(solved)
+    return greedy_judged(setup, params)["correct"]
 
 
 def greedy_accuracy(setup: EvalSetup, params) -> float:

@@ -1,8 +1,15 @@
 """Sandbox harness: copied into the sandbox and run by the launcher as ``python -I -S -B harness MODE``.
 
 Never imported by rljax. Before any model code runs it installs an audit hook (PEP 578) that
-refuses sockets, process creation, signals, ctypes, frame and gc introspection, and writes outside
-the work dir: a second wall behind the namespaces, limits and unprivileged user the launcher set up.
+refuses sockets, process creation, signals, ctypes, frame and gc introspection, writes outside
+the work dir, and reads outside the work dir and the Python install (the task's data files, with
+their expected outputs, are on the same disk): a second wall behind the namespaces, limits and
+unprivileged user the launcher set up.
+
+The code cannot tamper with the harness: every builtin the harness calls after the code has run
+(``exec``, ``type``...) is bound before it runs, and each assert's ``==`` / ``!=`` is rewritten to
+`_plain_compare`, which compares only plain values (built-in types, all the way down), so an object
+whose class says it equals everything (``__eq__`` returning True) passes no test.
 
 MODE "asserts": stdin holds one JSON line ``{"nonce", "code", "tests"}``; the code runs once, then
 each test; a passing test prints ``<nonce> <index> pass`` (the nonce, unknown to the code, keeps a
@@ -10,11 +17,19 @@ each test; a passing test prints ``<nonce> <index> pass`` (the nonce, unknown to
 with the case input on stdin; the parent compares stdout.
 """
 
+import ast
 import json
 import os
 import sys
 
 ROOT = os.path.realpath(os.getcwd())
+# Reads allowed besides the work dir: the Python install (the standard library) and the kernel's
+# views (/proc of the sandbox's own namespaces, /dev/urandom and the like).
+READABLE = tuple({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))),
+                                                "/proc", "/dev")})
+PLAIN_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+PLAIN_CONTAINERS = (list, tuple, set, frozenset, dict)
 BLOCKED_PREFIXES = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn",
                     "os.fork", "os.forkpty", "os.system", "os.kill", "os.killpg", "os.setuid",
                     "signal.pthread_kill", "sys._getframe", "sys._current_frames", "gc.get_",
@@ -26,13 +41,48 @@ PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-def _inside(path):
+def _inside(path, roots=(ROOT,)):
     if isinstance(path, int):
         return True
     if isinstance(path, bytes):
         path = path.decode(errors="replace")
     full = os.path.realpath(os.path.join(ROOT, os.fspath(path)))
-    return full == ROOT or full.startswith(ROOT + os.sep)
+    return any(full == root or full.startswith(root + os.sep) for root in roots)
+
+
+def _plain(value, _type=type, _scalars=PLAIN_SCALARS, _containers=PLAIN_CONTAINERS, _all=all):
+    """Whether ``value`` is built of built-in types only (no user class can override its ``==``)."""
+    kind = _type(value)
+    if kind in _scalars:
+        return True
+    if kind is dict:
+        return _all(_plain(k) and _plain(v) for k, v in value.items())
+    return kind in _containers and _all(_plain(v) for v in value)
+
+
+def _plain_compare(left, right, equal):
+    """``left == right`` (``equal``) or ``left != right`` for plain values; False when either side
+    is not plain, so neither comparison can be won by a class that decides its own answer."""
+    if not (_plain(left) and _plain(right)):
+        return False
+    return left == right if equal else left != right
+
+
+class _StrictEquality(ast.NodeTransformer):
+    """Rewrites ``a == b`` / ``a != b`` to ``_plain_compare(a, b, True / False)``."""
+
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            return node
+        equal = ast.Constant(isinstance(node.ops[0], ast.Eq))
+        call = ast.Call(ast.Name("__rljax_plain_compare", ast.Load()), [node.left, node.comparators[0], equal], [])
+        return ast.copy_location(call, node)
+
+
+def _compile_test(text, i):
+    tree = ast.fix_missing_locations(_StrictEquality().visit(ast.parse(text)))
+    return compile(tree, f"<test {i}>", "exec")
 
 
 def _hook(event, args):
@@ -46,6 +96,8 @@ def _hook(event, args):
             isinstance(flags, int) and flags & WRITE_FLAGS)
         if writes and not _inside(path):
             raise PermissionError(f"sandbox: writing {path!r} is not allowed")
+        if not writes and not _inside(path, (ROOT, *READABLE)):
+            raise PermissionError(f"sandbox: reading {path!r} is not allowed")
     if event in PATH_EVENTS:
         paths = [a for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
         if not all(_inside(p) for p in paths):
@@ -58,23 +110,24 @@ def main():
         payload = json.loads(sys.stdin.readline())
         nonce, code, tests = payload["nonce"], payload["code"], payload["tests"]
         del payload
-        write, out = os.write, os.dup(1)
-        compiled = [compile(t, f"<test {i}>", "exec") for i, t in enumerate(tests)]
+        write, out, run, leave, caught = os.write, os.dup(1), exec, os._exit, BaseException
+        compiled = [_compile_test(t, i) for i, t in enumerate(tests)]
         solution = compile(code, "solution.py", "exec")
         del code, tests
         scope = {"__name__": "__main__"}
         sys.addaudithook(_hook)
         try:
-            exec(solution, scope)
-        except BaseException:  # noqa: BLE001  # a crashing solution fails every test
-            os._exit(0)
+            run(solution, scope)
+        except caught:  # a crashing solution fails every test
+            leave(0)
         for i, test in enumerate(compiled):
+            scope["__rljax_plain_compare"] = _plain_compare  # set after the code ran: it cannot replace it
             try:
-                exec(test, scope)
-            except BaseException:  # noqa: BLE001
+                run(test, scope)
+            except caught:
                 continue
-            write(out, f"{nonce} {i} pass\n".encode())
-        os._exit(0)
+            write(out, (nonce + " " + repr(i) + " pass\n").encode())
+        leave(0)
     with open("solution.py", encoding="utf-8") as f:
         solution = compile(f.read(), "solution.py", "exec")
     sys.addaudithook(_hook)

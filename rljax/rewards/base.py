@@ -21,6 +21,7 @@ from rljax.errors import ConfigError
 from rljax.rewards.pool import Task, VerifierPool, default_pool
 
 NUM_TOKENS_KEY = "completion_tokens"  # metadata key the batch call fills with each completion's length
+QUESTION_KEY = "question"  # metadata key holding the question text, for guards against restating it
 
 
 @runtime_checkable

@@ -66,7 +66,13 @@ class RewardSection:
     """The reward: a correctness verifier plus an optional format term, scored on the host.
 
     kind: `reasoning_gym` (the task's own scorer), `math` (math-verify on the extracted answer),
-    or `code` (sandboxed unit tests). `answer_methods` orders the extractors tried. Length terms
+    or `code` (sandboxed unit tests). `answer_methods` orders the extractors tried. `answer_form`
+    (math): "value" wants one stated value when the gold is a plain value, "expression" keeps
+    symbolic equivalence for simplify/factor/solve answers (`rljax.rewards.math_verify`); neither
+    accepts the question restated. `audit`: a stricter second opinion scored beside the reward on
+    every rollout, never weighted into it: "last_number" (the completion's last number equals the
+    gold value exactly) or "reasoning_gym" (the task's own scorer, for reasoning-gym rows); logged
+    as `reward/audit_agreement` and `eval/accuracy_strict` (`rljax.rewards.audit`). Length terms
     (DAPO's overlong punishment, a length cost) are applied on device by the `[shaping]` section
     (`rljax.objectives.shaping.RewardShaping`). `correct_weight` weighs the correctness part in the
     total (0 with a `model`: the learned reward replaces the verifier, which is still scored and
@@ -78,9 +84,16 @@ class RewardSection:
     model: RewardModelSection = RewardModelSection()
     answer_methods: tuple[str, ...] = ("answer_tag", "final_line")
     format_weight: float = bounded(0.0, ge=0)
-    format_pattern: str = r"(?s)^<think>.*</think>\s*<answer>.*</answer>\s*$"
+    format_pattern: str = r"(?s)^<think>\s*[^\s<].*</think>\s*<answer>\s*[^\s<].*</answer>\s*$"
     time_limit_s: float = bounded(5.0, gt=0)
     inline: bool = False
+    answer_form: Literal["value", "expression"] = "value"
+    audit: Literal["off", "last_number", "reasoning_gym"] = "off"
+
+    def __post_init__(self):
+        if self.audit != "off" and self.kind == "code":
+            raise ConfigError(f"reward.audit={self.audit!r} checks a final answer, and reward.kind='code' has none "
+                              "(its unit tests are the strict check); drop reward.audit")
 
 
 def reward_model_config(section: RewardModelSection, policy: ModelConfig) -> tuple[ModelConfig, int]:
@@ -152,7 +165,8 @@ def _correct_verifier(kind: str, section: RewardSection):
     limit = None if section.inline else section.time_limit_s
     return {
         "reasoning_gym": lambda: rewards.ReasoningGymAnswer(methods=section.answer_methods, time_limit_s=limit),
-        "math": lambda: rewards.MathAnswer(methods=section.answer_methods, time_limit_s=limit),
+        "math": lambda: rewards.MathAnswer(methods=section.answer_methods, time_limit_s=limit,
+                                           form=section.answer_form),
         "code": lambda: rewards.CodeTests(),
     }[kind]()
 
@@ -170,4 +184,6 @@ def build_reward(section: RewardSection, sources: tuple = ()) -> rewards.RewardF
     terms: dict[str, Any] = {"correct": (section.correct_weight, correct)}
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
+    if section.audit != "off":  # weight 0: scored and logged, never in the reward
+        terms[rewards.AUDIT_PART] = (0.0, rewards.audit_verifier(section.audit))
     return rewards.compose(**terms)

@@ -1,4 +1,5 @@
-"""Math answer checking: our extraction, then equivalence through the `math-verify` library.
+"""Math answer checking: our extraction, the answer-form guards of `rljax.rewards.answer_form`,
+then exact values or equivalence through the `math-verify` library.
 
 math-verify guards each parse and comparison with ``signal.alarm``, which only works on the main
 thread. We turn that off (``parsing_timeout=None``, ``timeout_seconds=None``) so it runs anywhere,
@@ -14,6 +15,9 @@ import re
 from decimal import Decimal
 from typing import Any, Mapping
 
+from rljax.rewards.answer_form import (box_problem, foreign_digits, judged_part, oversized, restates,
+                                       value_of_gold, values_equal)
+from rljax.rewards.base import QUESTION_KEY
 from rljax.rewards.extract import METHODS, extract_answer
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns once that timeouts are off
@@ -55,26 +59,51 @@ def plain_numbers_equal(gold: str, pred: str) -> bool | None:
     return numbers[0] == numbers[1]
 
 
-def math_verify(completion: str, answer: str, *,
-                methods: tuple[str, ...] = METHODS) -> float:
-    """1.0 if the answer extracted from ``completion`` equals ``answer`` (math-verify), else 0.0.
+ANSWER_FORMS = ("value", "expression")
 
-    Extraction: `extract_answer` (answer tag, ``\\boxed{}``, ``####``, final line). Equivalence:
+
+def math_verify(completion: str, answer: str, *, methods: tuple[str, ...] = METHODS, question: str = "",
+                form: str = "value") -> float:
+    """1.0 if the answer extracted from ``completion`` is ``answer``, else 0.0.
+
+    Extraction: `extract_answer` (answer tag, ``\\boxed{}``, ``####``, final line). Then the guards
+    of `rljax.rewards.answer_form`, in either ``form``: an equation is judged by its right-hand
+    side; a span that restates the ``question``'s operation scores 0; empty, nested or
+    disagreeing boxes, non-ASCII digits and oversized spans (timeout bombs) score 0.
+
+    ``form="value"`` (the default): when the gold is a plain value (a number, a fraction, a simple
+    LaTeX number, a percentage), the prediction must state one value too, compared exactly; an
+    unevaluated expression ("39 - 67", "7 * 8"), several numbers, or a rescaling percent is not an
+    answer. A gold that is no plain value (an expression, a set, an interval) goes to math-verify.
+    ``form="expression"`` (simplify, factor, solve for x): symbolic equivalence through
     ``math_verify.verify(parse(gold), parse(extracted))``, which handles fractions, LaTeX, sets,
     intervals, percent and units; two plain decimal numbers are compared exactly without it
-    (`plain_numbers_equal`, the same verdict). Runs inline with no time limit: use `MathAnswer` in a pool to
-    bound it.
+    (`plain_numbers_equal`, the same verdict). Runs inline with no time limit: use `MathAnswer` in a
+    pool to bound it.
     """
+    if form not in ANSWER_FORMS:
+        raise ValueError(f"form must be one of {ANSWER_FORMS}, got {form!r}")
+    extracted, _ = extract_answer(completion, methods)
+    if not extracted or not answer.strip() or box_problem(completion) or foreign_digits(extracted):
+        return 0.0
+    span = judged_part(extracted)
+    if not span or oversized(span) or restates(span, question):
+        return 0.0
+    gold_value = value_of_gold(answer.strip()) if form == "value" else None
+    if gold_value is not None:
+        return 1.0 if values_equal(gold_value, span) else 0.0
+    return _equivalent(answer.strip(), span)
+
+
+def _equivalent(answer: str, span: str) -> float:
+    """math-verify's symbolic verdict (two plain decimals exactly, without it)."""
     from math_verify import verify
 
-    extracted, _ = extract_answer(completion, methods)
-    if not extracted or not answer.strip():
-        return 0.0
-    plain = plain_numbers_equal(answer.strip(), extracted.strip())
+    plain = plain_numbers_equal(answer, span)
     if plain is not None:
         return 1.0 if plain else 0.0
-    gold = _parse(_as_latex(answer.strip()))
-    pred = _parse(_as_latex(extracted)) or _parse(extracted)
+    gold = _parse(_as_latex(answer))
+    pred = _parse(_as_latex(span)) or _parse(span)
     if not gold or not pred:
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
@@ -82,7 +111,8 @@ def math_verify(completion: str, answer: str, *,
 
 @dataclasses.dataclass(frozen=True)
 class MathAnswer:
-    """Verifier: `math_verify` of the completion against ``metadata[answer_key]``.
+    """Verifier: `math_verify` of the completion against ``metadata[answer_key]``, in answer ``form``,
+    guarded against restating ``metadata["question"]`` (when the row carries it).
 
     Runs in the pool; a comparison that exceeds ``time_limit_s`` scores 0 with a timeout flag.
     """
@@ -90,9 +120,11 @@ class MathAnswer:
     answer_key: str = "answer"
     methods: tuple[str, ...] = METHODS
     time_limit_s: float | None = 5.0
+    form: str = "value"
     name: str = "math"
 
     def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
         extracted, method = extract_answer(completion, self.methods)
-        score = math_verify(completion, str(metadata[self.answer_key]), methods=self.methods)
+        score = math_verify(completion, str(metadata[self.answer_key]), methods=self.methods,
+                            question=str(metadata.get(QUESTION_KEY) or ""), form=self.form)
         return score, {"extracted": extracted, "method": method}

@@ -13,13 +13,15 @@ import functools
 from typing import Any, Callable, Mapping
 
 from rljax.errors import DataError
+from rljax.rewards.answer_form import foreign_digits, judged_part, oversized, parse_value, restates, value_of_gold
+from rljax.rewards.base import QUESTION_KEY
 from rljax.rewards.extract import extract_answer
 
 ENTRY_KEY = "entry"  # metadata key holding the reasoning-gym entry ({"question", "answer", "metadata"})
 
 
 @functools.lru_cache(maxsize=None)
-def _scorer(task: str) -> Callable[[str | None, dict], float]:
+def task_scorer(task: str) -> Callable[[str | None, dict], float]:
     import reasoning_gym
 
     try:
@@ -31,7 +33,7 @@ def _scorer(task: str) -> Callable[[str | None, dict], float]:
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningGymAnswer:
-    """Verifier: the task's ``score_answer(extracted, entry)`` in [0, 1].
+    """Verifier: the task's ``score_answer(extracted, entry)`` in [0, 1], behind `is_answer`'s guards.
 
     The task is ``metadata["task"]``, else the entry's ``metadata["source_dataset"]``.
     """
@@ -44,5 +46,17 @@ class ReasoningGymAnswer:
         entry = metadata[ENTRY_KEY]
         task = metadata.get("task") or entry["metadata"]["source_dataset"]
         extracted, method = extract_answer(completion, self.methods)
-        score = float(_scorer(task)(extracted, entry)) if extracted is not None else 0.0
+        question = str(metadata.get(QUESTION_KEY) or entry.get("question") or "")
+        ok = extracted is not None and is_answer(extracted, str(entry["answer"]), question)
+        score = float(task_scorer(task)(extracted, entry)) if ok else 0.0
         return score, {"task": task, "extracted": extracted, "method": method}
+
+
+def is_answer(extracted: str, gold: str, question: str) -> bool:
+    """The guards of `rljax.rewards.answer_form` before a task's own scorer: no non-ASCII digits, no
+    oversized span, no restated question, and, when the gold is a plain value, one value stated.
+    Many tasks' scorers give partial credit ``len(gold) / len(answer)`` to any reply that contains
+    the gold, so without this "1 2 3 ... 200" or "5 or 6" earns reward."""
+    if foreign_digits(extracted) or oversized(extracted) or restates(judged_part(extracted), question):
+        return False
+    return value_of_gold(gold) is None or parse_value(judged_part(extracted)) is not None

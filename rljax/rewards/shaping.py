@@ -1,10 +1,14 @@
 """Format and length rewards.
 
 - `TagFormat`: 1 when the completion has the ``<think>…</think><answer>…</answer>`` shape
-  (DeepSeek-R1, 2025, rewards this structure alongside correctness).
+  (DeepSeek-R1, 2025, rewards this structure alongside correctness), each tag holding text: the
+  cheapest reply that maxes a format reward must not be the empty shell
+  ``<think></think><answer></answer>``.
 - `RegexFormat`: 1 when a regular expression matches.
 - `TargetLength`: ``1 − |L − L_target| / L_target``, floored at 0, rewarding a length budget
-  (in the spirit of LASER and GRPO-λ, 2025).
+  (in the spirit of LASER and GRPO-λ, 2025), and 0 for padding: a reply that zlib compresses to
+  under `min_compression` of its size (one token or phrase repeated to the target; plain prose
+  and worked arithmetic compress to 0.3-0.6 of their size).
 
 DAPO's soft overlong punishment is not a verifier here: it exists once, as
 `rljax.objectives.overlong_penalty`, applied in the update step by the reward-shaping config
@@ -19,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import zlib
 from typing import Any, Mapping
 
 from rljax.errors import ConfigError
 from rljax.rewards.base import NUM_TOKENS_KEY
 
-THINK_ANSWER = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
+THINK_ANSWER = r"^\s*<think>\s*[^\s<].*?</think>\s*<answer>\s*[^\s<].*?</answer>\s*$"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,8 @@ class RegexFormat:
 
 @dataclasses.dataclass(frozen=True)
 class TagFormat:
-    """1.0 for exactly ``<think>…</think><answer>…</answer>`` (each tag once, nothing around)."""
+    """1.0 for exactly ``<think>…</think><answer>…</answer>`` (each tag once, nothing around, each
+    holding some text)."""
 
     think_tag: str = "think"
     answer_tag: str = "answer"
@@ -56,7 +62,7 @@ class TagFormat:
 
     def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
         t, a = re.escape(self.think_tag), re.escape(self.answer_tag)
-        shaped = re.fullmatch(rf"\s*<{t}>.*</{t}>\s*<{a}>.*</{a}>\s*", completion, re.DOTALL)
+        shaped = re.fullmatch(rf"\s*<{t}>\s*\S.*</{t}>\s*<{a}>\s*\S.*</{a}>\s*", completion, re.DOTALL)
         once = all(completion.count(f"<{x}>") == 1 and completion.count(f"</{x}>") == 1
                    for x in (self.think_tag, self.answer_tag))
         return float(bool(shaped) and once), {}
@@ -77,6 +83,7 @@ class TargetLength:
     name: str = "length"
     time_limit_s: float | None = None
     needs_num_tokens: bool = True
+    min_compression: float = 0.15
 
     def __post_init__(self) -> None:
         if self.target_tokens <= 0:
@@ -84,4 +91,13 @@ class TargetLength:
 
     def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
         n = _num_tokens(metadata)
+        ratio = compression_ratio(completion)
+        if ratio < self.min_compression:
+            return 0.0, {"tokens": n, "compression": ratio, "flag_padding": True}
         return max(0.0, 1.0 - abs(n - self.target_tokens) / self.target_tokens), {"tokens": n}
+
+
+def compression_ratio(text: str) -> float:
+    """zlib-compressed size over raw size (1.0 below 64 bytes, where the header dominates)."""
+    raw = text.encode()
+    return 1.0 if len(raw) < 64 else len(zlib.compress(raw, 9)) / len(raw)

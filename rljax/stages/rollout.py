@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from rljax.data.filtering import dynamic_sample
 from rljax.objectives.config import RolloutNeeds
+from rljax.rewards.audit import audit_metrics
 from rljax.sampling import FINISH_LENGTH, SampleControls, SampleResult, sample
 from rljax.update import RolloutBatch
 
@@ -120,6 +121,7 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
         "rollout/tokens": jnp.sum(out.lengths),
     })
     metrics.update({f"rollout/reward_{k}": jnp.mean(v) for k, v in rewards.parts.items()})
+    metrics.update(audit_metrics(rewards.parts))
     k = min(PREVIEW_ROWS, p)
     first = jnp.arange(k) * n  # sample 0 of prompts 0..k-1
     preview = RolloutPreview(prompt_tokens_kt=prompt_tokens_pt[:k], prompt_mask_kt=prompt_mask_pt[:k],

@@ -89,6 +89,11 @@ def _check_memory(cfg) -> None:
     from rljax.plan.accelerators import device_memory
 
     limit = device_memory(cfg.plan.accelerator, cfg.plan.device_memory_gib) if cfg.plan.check else None
+    if cfg.update.remat == "auto" and cfg.plan.check:  # chooses from the plan (cached), refusing in one line when nothing fits
+        from rljax.plan.remat import choose_remat
+
+        choose_remat(cfg, limit=limit)  # `build_run` takes the choice from the cache and logs it
+        return
     if limit is not None:
         from rljax.plan.advice import check_fits
 
@@ -115,7 +120,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     from rljax.checkpoint import load_params
     from rljax.envs import get_format
-    from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_solved, sampled_eval
+    from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_judged, sampled_eval
+    from rljax.rewards import AUDIT_PART
     from rljax.sampling import multiturn
     from rljax.evaluation.episodes import episode_accuracy
     from rljax.train import setup
@@ -143,8 +149,11 @@ def _eval(args: argparse.Namespace) -> int:
             multiturn.episode_controls(controls, stop))
         print(json.dumps(result, indent=2))
         return 0
-    solved = greedy_solved(evaluator, params)
+    judged = greedy_judged(evaluator, params)
+    solved = judged["correct"]
     result["greedy_accuracy"] = float(solved.mean()) if solved.size else float("nan")
+    if AUDIT_PART in judged:  # the run's stricter check on the same replies
+        result["greedy_accuracy_strict"] = float(judged[AUDIT_PART].mean()) if solved.size else float("nan")
     result.update({f"greedy_accuracy/{task}": acc for task, acc in accuracy_by_task(evaluator, solved).items()})
     samples = args.samples or cfg.eval.num_samples
     result.update(sampled_eval(evaluator, params, num_samples=samples,

@@ -11,7 +11,8 @@ from rljax.checkpoint.train_state import restore_run
 from rljax.data.splits import warm_start_split
 from rljax.drivers.base import Driver
 from rljax.evaluation.episodes import episode_accuracy
-from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_accuracy, greedy_solved
+from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_accuracy, greedy_judged
+from rljax.rewards import AUDIT_PART
 from rljax.stages.episodes import episode_controls
 from rljax.train.run import Run, new_train_state
 from rljax.update import TrainState
@@ -50,8 +51,11 @@ def evaluate(run: Run, state: TrainState) -> dict[str, float]:
     if run.env is not None:
         controls = episode_controls(run.controls, run.tokenizer, run.cfg.env)
         return {"eval/accuracy": episode_accuracy(run.evaluator, params, run.env, run.cfg.env, controls)}
-    solved = greedy_solved(run.evaluator, params)
+    judged = greedy_judged(run.evaluator, params)
+    solved = judged["correct"]
     out = {"eval/accuracy": float(np.mean(solved)) if solved.size else float("nan")}
+    if AUDIT_PART in judged:  # the stricter check's accuracy on the same replies
+        out["eval/accuracy_strict"] = float(np.mean(judged[AUDIT_PART])) if solved.size else float("nan")
     out.update({f"eval/{task}/accuracy": acc for task, acc in accuracy_by_task(run.evaluator, solved).items()})
     return out
 

@@ -180,3 +180,32 @@ def test_sampled_eval_ignores_filler_rows_and_greedy_is_one_sample(eval_model):
     reward.calls.clear()
     assert greedy_accuracy(setup, eval_model[2]) == pytest.approx(table[0, :, 0].mean())
     assert [ids for ids, _ in reward.calls] == [["p0", "p1"], ["p2", "p3"], ["p4", "p0"]]
+
+
+class _AuditedTableReward(_TableReward):
+    """`_TableReward` plus an audit part that refuses the problems in `refused`."""
+
+    def __init__(self, table_spn, refused):
+        super().__init__(table_spn)
+        self.refused = set(refused)
+
+    def batch(self, metadata, texts, num_tokens=None):
+        out, infos = super().batch(metadata, texts, num_tokens)
+        audit = np.asarray([0.0 if m["id"] in self.refused else c for m, c in zip(metadata, out.parts["correct"])])
+        out.parts["audit"] = audit
+        return out, infos
+
+
+def test_greedy_judged_reports_the_audit_beside_correctness(eval_model):
+    """With an audit part, greedy evaluation returns the stricter verdict per problem too, filler
+    rows excluded like correctness: strict accuracy is NumPy's count over the table minus the
+    refused problems. Fails if the audit table were read from `correct`, or filler rows counted."""
+    from rljax.evaluation.runner import greedy_judged
+
+    table = np.zeros((1, 5, 1), bool)
+    table[0, [0, 1, 3], 0] = True
+    setup = _eval_setup(eval_model, _AuditedTableReward(table, refused={"p1", "p2"}), batch_size=2)
+    judged = greedy_judged(setup, eval_model[2])
+    np.testing.assert_array_equal(judged["correct"], table[0, :, 0])
+    np.testing.assert_array_equal(judged["audit"], [True, False, False, True, False])
+    assert judged["audit"].mean() == pytest.approx(0.4) and judged["correct"].mean() == pytest.approx(0.6)

@@ -51,15 +51,24 @@ def test_table_is_big_enough_and_references_agree_with_labels():
     assert not bad
 
 
+# Unevaluated operations on a plain-value gold: math-verify computes them, the value form refuses them.
+VALUE_FORM_REFUSES = {(r"2\frac{1}{2}", "2.5"), ("2^{10}", "1024"), ("10^{-2}", "0.01")}
+
+
+@pytest.mark.parametrize("form", ["expression", "value"])
 @pytest.mark.parametrize("style", sorted(WRAPPERS))
-def test_extract_then_check_gives_math_verify_verdict(style):
-    """For every pair and every answer convention, math_verify(completion) == math-verify(span, gold)."""
+def test_extract_then_check_gives_math_verify_verdict(style, form):
+    """For every pair and every answer convention, math_verify(completion) == math-verify(span, gold),
+    in the expression form exactly, and in the value form except the unevaluated operations on a
+    plain-value gold, which score 0. Fails if the value form compared numbers as strings ("3.0" vs
+    "3", "1,234"), dropped the sign, or let "2^{10}" through as 1024."""
     wrong = []
     for span, gold, _ in PAIRS:
         if style == "hash" and "\n" in span:
             continue
-        ours = math_verify(WRAPPERS[style](span), gold)
-        if ours != float(reference(span, gold)):
+        ours = math_verify(WRAPPERS[style](span), gold, form=form)
+        want = 0.0 if form == "value" and (span, gold) in VALUE_FORM_REFUSES else float(reference(span, gold))
+        if ours != want:
             wrong.append((span, gold, ours))
     assert not wrong
 
@@ -112,9 +121,10 @@ def test_plain_number_fast_path_gives_math_verifys_verdict():
         if fast is not None:
             answered += 1
             assert fast == verify(parse(f"${gold}$"), parse(f"${pred}$")), (gold, pred)
-            assert math_verify(f"x\n{pred}", gold) == float(fast), (gold, pred)
+            assert math_verify(f"x\n{pred}", gold, form="expression") == float(fast), (gold, pred)
     assert answered >= len(pairs) - 5  # the fast path is actually taken
     for gold, pred in [("3", "3.0000001"), ("0.1234567", "0.1234568"), ("1e3", "1000"), ("1.5", "3/2"),
                        (".5", "0.5"), ("1234567890123456", "1234567890123456")]:
         assert plain_numbers_equal(gold, pred) is None, (gold, pred)
-        assert math_verify(f"x\n{pred}", gold) == float(verify(parse(f"${gold}$"), parse(f"${pred}$")))
+        assert math_verify(f"x\n{pred}", gold, form="expression") == float(verify(parse(f"${gold}$"),
+                                                                                 parse(f"${pred}$")))

@@ -1,0 +1,97 @@
+"""A stricter second opinion beside the training reward: reward hacking watched during training.
+
+A policy optimises the verifier it is given, holes included: SmolLM2-135M learned within 20
+iterations that restating "39 - 67" scored as the answer -28 (issue 52), and the held-out
+evaluation, using the same verifier, reported the hack as skill. An audit scores every rollout
+with a different, stricter check and is never weighted into the reward (`[reward] audit`, a
+weight-0 part named `AUDIT_PART`):
+
+- `LastNumber`: the completion's last number (ASCII digits, a sign that follows no operand,
+  thousands commas, decimals) equals the gold value exactly. A gold that is not a plain value
+  (an expression, a set) must equal the extracted answer's right-hand side as text, spaces aside.
+- `GymExact`: the reasoning-gym task's own scorer gives full marks (its partial credit for
+  containing the answer does not count).
+
+`audit_metrics`: ``reward/audit_agreement`` = #(reward correct and audit correct) / #(reward
+correct), the share of rows the training reward calls correct that the audit also does, in
+[0, 1], and 1 (vacuously: nothing to disagree with) in an iteration where no row is called
+correct; ``reward/audit_rows`` counts the rows it was taken over. A falling agreement is the early
+warning; `rljax.evaluation` reports ``eval/accuracy_strict`` beside ``eval/accuracy`` from the
+same part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from fractions import Fraction
+from typing import Any, Mapping
+
+from rljax.rewards.answer_form import judged_part, value_of_gold
+from rljax.rewards.extract import METHODS, extract_answer
+from rljax.rewards.reasoning import ENTRY_KEY, task_scorer
+
+AUDIT_PART = "audit"
+_LAST_NUMBER = re.compile(r"(?:(?<![\w.)\]}])-)?(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number written in ``text`` ("39-67" ends in 67; "x = -28" in -28), or None."""
+    found = _LAST_NUMBER.findall(text)
+    return Fraction(found[-1].replace(",", "")) if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class LastNumber:
+    """Audit: 1.0 when the completion's last number is exactly the gold value (see module doc)."""
+
+    answer_key: str = "answer"
+    name: str = "last_number"
+    time_limit_s: float | None = None
+
+    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
+        gold = str(metadata[self.answer_key]).strip()
+        value = value_of_gold(gold)
+        if value is None:
+            extracted, _ = extract_answer(completion, METHODS)
+            said = "".join(judged_part(extracted or "").split())
+            return float(bool(said) and said == "".join(gold.split())), {}
+        last = last_number(completion)
+        return float(last is not None and last == value), {"last_number": None if last is None else str(last)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GymExact:
+    """Audit: 1.0 when the reasoning-gym task's scorer gives the extracted answer full marks."""
+
+    methods: tuple[str, ...] = ("answer_tag", "final_line")
+    name: str = "reasoning_gym_exact"
+    time_limit_s: float | None = None
+
+    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
+        entry = metadata[ENTRY_KEY]
+        task = metadata.get("task") or entry["metadata"]["source_dataset"]
+        extracted, _ = extract_answer(completion, self.methods)
+        return float(extracted is not None and task_scorer(task)(extracted, entry) >= 1.0), {}
+
+
+AUDITS = {"last_number": LastNumber, "reasoning_gym": GymExact}
+
+
+def audit_verifier(kind: str):
+    """The audit checker named by `[reward] audit`."""
+    return AUDITS[kind]()
+
+
+def audit_metrics(parts: Mapping[str, Any], correct: str = "correct") -> dict[str, Any]:
+    """``reward/audit_agreement`` and ``reward/audit_rows`` (rows the reward calls correct) from a
+    reward's parts; {} without an audit part. Traceable: the parts may be jax arrays."""
+    import jax.numpy as jnp
+
+    if AUDIT_PART not in parts or correct not in parts:
+        return {}
+    called = parts[correct] >= 1.0
+    agreed = jnp.sum((called & (parts[AUDIT_PART] >= 1.0)).astype(jnp.float32))
+    rows = jnp.sum(called.astype(jnp.float32))
+    return {"reward/audit_agreement": jnp.where(rows > 0, agreed / jnp.maximum(rows, 1.0), 1.0),
+            "reward/audit_rows": rows}

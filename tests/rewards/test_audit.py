@@ -1,0 +1,70 @@
+"""The audit: a stricter second opinion beside the training reward, and the agreement it logs."""
+
+import jax
+import numpy as np
+import pytest
+
+from rljax.errors import ConfigError
+from rljax.rewards import AUDIT_PART, GymExact, LastNumber, MathAnswer, audit_metrics, compose
+from rljax.rewards.audit import last_number
+from rljax.rewards.config import RewardSection, build_reward
+
+# A fixed batch where the training reward is fooled on known rows: the expression form without
+# the question scores the restated operation "39 - 67" as -28 (issue 52's hole).
+ROWS = [  # (gold, completion, fooled: the reward says right, right: the reply is the answer)
+    ("-28", "39 - 67", True, False), ("-28", "-28", False, True), ("56", "7 * 8", True, False),
+    ("56", "The answer is 56.", False, True), ("8", "To calculate 10 - 2, we need to subtract the numbers", True, False),
+    ("8", "9", False, False), ("106", "39 + 67 = 106", False, True), ("12", "x = 12", False, True),
+]
+
+
+def test_last_number_reads_the_reply_as_a_person_would():
+    """The last number, with a sign only where no operand precedes it: "39-67" ends in 67, not -67."""
+    assert last_number("39-67") == 67 and last_number("x = -28") == -28 and last_number("1,234 apples") == 1234
+    assert last_number("so 3.50.") == 3.5 and last_number("none") is None
+
+
+def test_audit_agreement_equals_numpy_count_on_a_fooled_batch():
+    """``reward/audit_agreement`` is #(reward correct and audit correct) / #(reward correct),
+    computed here with NumPy from the rows' known labels; the fooled rows are exactly the ones the
+    audit refuses. Fails if the metric divided by all rows, counted the audit's own positives, or
+    let the audit change the reward."""
+    reward = compose(correct=(1.0, MathAnswer(time_limit_s=None, form="expression")),
+                     audit=(0.0, LastNumber()))
+    metas = [{"answer": gold} for gold, *_ in ROWS]
+    scores, _ = reward.batch(metas, [c for _, c, _, _ in ROWS])
+    correct, audit = scores.parts["correct"], scores.parts[AUDIT_PART]
+    fooled, right = np.array([r[2] for r in ROWS]), np.array([r[3] for r in ROWS])
+    assert np.array_equal(correct >= 1, fooled | right)  # the reward is fooled on the known rows
+    assert np.array_equal(audit >= 1, right)  # the audit is not
+    np.testing.assert_array_equal(scores.total_b, correct)  # weight 0: never in the reward
+    want = np.sum((correct >= 1) & (audit >= 1)) / np.sum(correct >= 1)
+    got = jax.jit(audit_metrics)({k: jax.numpy.asarray(v) for k, v in scores.parts.items()})
+    assert float(got["reward/audit_agreement"]) == pytest.approx(want) and want == pytest.approx(4 / 7)
+    assert float(got["reward/audit_rows"]) == 7
+    none = audit_metrics({"correct": np.zeros(3), AUDIT_PART: np.ones(3)})
+    assert float(none["reward/audit_agreement"]) == 1.0 and float(none["reward/audit_rows"]) == 0
+    assert audit_metrics({"correct": np.ones(3)}) == {}
+
+
+def test_reward_section_adds_the_audit_as_a_weight_zero_part():
+    """`[reward] audit` adds the named checker with weight 0; "off" adds nothing; a code reward,
+    which has no final answer, refuses it in one line."""
+    fn = build_reward(RewardSection(kind="math", audit="last_number", inline=True))
+    assert fn.part_names == ("correct", AUDIT_PART)
+    part = fn.parts[1]
+    assert part.weight == 0.0 and isinstance(part.verifier, LastNumber)
+    assert isinstance(build_reward(RewardSection(audit="reasoning_gym")).parts[1].verifier, GymExact)
+    assert build_reward(RewardSection(kind="math")).part_names == ("correct",)
+    with pytest.raises(ConfigError, match="reward.audit='last_number' checks a final answer"):
+        RewardSection(kind="code", audit="last_number")
+
+
+def test_gym_exact_gives_no_partial_credit():
+    """reasoning-gym's scorer gives "x = 17" partial credit; the audit counts full marks only."""
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)[0]
+    audit = GymExact()
+    assert audit({"entry": entry}, entry["answer"])[0] == 1.0
+    assert audit({"entry": entry}, f"x = {entry['answer']}")[0] == 0.0
