@@ -13,8 +13,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from rljax.errors import CheckpointError, ConfigError
+from rljax.models.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_from_hf, moe_to_hf
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2") + MOE_MODEL_TYPES
 _ACTIVATIONS = ("silu", "gelu_tanh")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -76,6 +77,8 @@ class ModelConfig:
     attention: str = "auto"
     # How a decode step attends over the KV cache: `rljax.models.attention.resolve_decode_attention`.
     decode_attention: str = "auto"
+    # Mixture-of-experts MLPs in every layer (Qwen3-MoE, Qwen2-MoE, Mixtral): `rljax.models.moe`.
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         def need(ok: bool, msg: str):
@@ -131,11 +134,19 @@ class ModelConfig:
 
     def num_params(self, include_embeddings: bool = True) -> int:
         d, n, k, h, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
-        per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f + 2 * d
+        mlp = self.moe.params_per_layer(d)[0] if self.moe else 3 * d * f
+        per_layer = d * n * h * 2 + d * k * h * 2 + mlp + 2 * d
         total = self.num_layers * per_layer + d
         if include_embeddings:
             total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total
+
+    def num_active_params(self, include_embeddings: bool = True) -> int:
+        """Parameters one token uses: `num_params` less the experts it is not routed to."""
+        if not self.moe:
+            return self.num_params(include_embeddings)
+        total, active = self.moe.params_per_layer(self.hidden_size)
+        return self.num_params(include_embeddings) - self.num_layers * (total - active)
 
 
 # ----------------------------------------------------------------------------- HF config.json
@@ -216,9 +227,10 @@ def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
         norm_plus_one=gemma,
         scale_embeddings=gemma,
         tie_embeddings=hf.get("tie_word_embeddings", gemma or model_type == "qwen2"),
-        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-        o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+        or bool(hf.get("attention_bias", False)),
+        o_bias=model_type not in ("qwen2", "qwen2_moe") and bool(hf.get("attention_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_positions=hf.get("max_position_embeddings", 4096),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
@@ -240,6 +252,8 @@ def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
             want = tuple(0 if (i + 1) % 2 == 0 else 1 for i in range(len(layer_types)))
             if cfg_windows != want:
                 raise CheckpointError("gemma2 layer_types other than alternating sliding/full are not supported")
+    if model_type in MOE_MODEL_TYPES:
+        fields["moe"] = moe_from_hf(hf)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -251,7 +265,8 @@ def _int_if_integral(x: float):
 def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """Writes a Hugging Face `config.json` dict that transformers loads into the same model."""
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}[cfg.model_type]
+            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[cfg.model_type]
     rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
     if cfg.rope_type in ("linear", "llama3", "yarn"):
         rope["factor"] = cfg.rope_factor
@@ -300,6 +315,12 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
             sliding_window=cfg.sliding_window,
             layer_types=["full_attention" if w == 0 else "sliding_attention" for w in cfg.layer_windows()],
         )
+    if cfg.model_type == "qwen2_moe":
+        hf.update(attention_bias=False, qkv_bias=cfg.qkv_bias)
+    if cfg.moe is not None:
+        hf.update(moe_to_hf(cfg.model_type, cfg.moe))
+    elif cfg.model_type in MOE_MODEL_TYPES:
+        raise CheckpointError(f"{cfg.model_type} export needs a model with moe set")
     return hf
 
 

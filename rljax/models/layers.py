@@ -173,7 +173,8 @@ def _gated_bwd(name, saved_dtype, residuals, g):
 gated_activation.defvjp(_gated_fwd, _gated_bwd)
 
 
-def _mlp(x_btd, lp, cfg: ModelConfig):
+def dense_mlp(x_btd, lp, cfg: ModelConfig):
+    """The SwiGLU (GeGLU) MLP, f32: down(act(x gate) * (x up)). MoE layers' MLP is `rljax.models.moe`."""
     dt = cfg.compute_jnp_dtype
     gate, up = project(x_btd, lp["gate"], dtype=dt), project(x_btd, lp["up"], dtype=dt)
     return project(gated_activation(gate, up, cfg.activation, dt), lp["down"], dtype=dt)
@@ -191,9 +192,13 @@ def _qkv(x_btd, lp, rope_btih, cfg: ModelConfig):
     return rope(q, rope_btih).astype(dt), rope(k, rope_btih).astype(dt), v.astype(dt)
 
 
-def block(h_btd, lp, attend, rope_btih, cfg: ModelConfig):
+def block(h_btd, lp, attend, rope_btih, cfg: ModelConfig, mlp=None, routes_btk=None):
     """One pre-norm block on the f32 residual stream `h_btd`; `attend(q, k, v)` supplies keys
-    (fresh or from the cache)."""
+    (fresh or from the cache). Returns (h, attend's extra, the MLP's aux).
+
+    `mlp(x_btd, lp, cfg, routes_btk) -> (y_btd f32, aux or None)` is the layer's MLP kind
+    (`rljax.models.moe.layer_mlp`: the MoE MLP, whose aux is its routing, and `routes_btk` the
+    routes to replay); None is the dense SwiGLU."""
     x = rms_norm(h_btd, lp["attn_norm"], cfg)
     q, k, v = _qkv(x, lp, rope_btih, cfg)
     attn_btnh, extra = attend(q, k, v)
@@ -203,7 +208,8 @@ def block(h_btd, lp, attend, rope_btih, cfg: ModelConfig):
     if cfg.sandwich_norm:
         attn = rms_norm(attn, lp["attn_post_norm"], cfg)
     h_btd = h_btd + attn
-    mlp = _mlp(rms_norm(h_btd, lp["mlp_norm"], cfg), lp, cfg)
+    x = rms_norm(h_btd, lp["mlp_norm"], cfg)
+    mlp, aux = (dense_mlp(x, lp, cfg), None) if mlp is None else mlp(x, lp, cfg, routes_btk)
     if cfg.sandwich_norm:
         mlp = rms_norm(mlp, lp["mlp_post_norm"], cfg)
-    return h_btd + mlp, extra
+    return h_btd + mlp, extra, aux

@@ -37,6 +37,7 @@ from rljax.models.attention import (align_rows, cached_attention, decode_attenti
                                     softcap, valid_range)
 from rljax.models.config import ModelConfig
 from rljax.models.layers import block, embed_tokens, is_adapted, rms_norm, rope_tables
+from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp
 
 Params = dict[str, Any]
 Cache = dict[str, Any]
@@ -77,8 +78,9 @@ def _init_params(cfg: ModelConfig, key: jax.Array, std) -> Params:
         "attn_norm": norm_init((L, D), dt), "mlp_norm": norm_init((L, D), dt),
         "q": normal(L, D, N, H), "k": normal(L, D, K, H), "v": normal(L, D, K, H),
         "o": normal(L, N, H, D),
-        "gate": normal(L, D, F), "up": normal(L, D, F), "down": normal(L, F, D),
     }
+    layers.update(init_moe_layers(cfg, normal) if cfg.moe is not None else
+                  {"gate": normal(L, D, F), "up": normal(L, D, F), "down": normal(L, F, D)})
     if cfg.qkv_bias:
         layers.update(q_bias=jnp.zeros((L, N, H), dt), k_bias=jnp.zeros((L, K, H), dt),
                       v_bias=jnp.zeros((L, K, H), dt))
@@ -185,8 +187,8 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         positions_bt = default_positions(attn_mask_bt)
     positions_bt = positions_bt.astype(jnp.int32)
     if cache is None:
-        h, _ = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
-                              rope_cos_sin=rope_cos_sin, return_kv=False, segment_ids_bt=segment_ids_bt)
+        h, _, _ = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
+                                 rope_cos_sin=rope_cos_sin, return_kv=False, segment_ids_bt=segment_ids_bt)
         return h, None
     if segment_ids_bt is not None:
         raise ValueError("segment_ids_bt (packed rows) is for the cache-free forward only")
@@ -199,7 +201,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
         new_layers = []
         for lp, lc, window in zip(unstack_layers(params)["layers"], cache, windows):
             attend = lambda q, k, v, lc=lc, window=window: kv_attend(lc, window, positions_bt, q, k, v)
-            h, lc_new = block(h, lp, attend, rope_btih, cfg)
+            h, lc_new, _ = block(h, lp, attend, rope_btih, cfg, layer_mlp(cfg))
             new_layers.append(lc_new)
         return rms_norm(h, params["final_norm"], cfg).astype(dt), tuple(new_layers)
 
@@ -229,10 +231,25 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
                 out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
                                        cfg, layout)
             return out, {"k": ck, "v": cv}
-        h, lc_new = block(h, lp, attend, rope_btih, cfg)
+        h, lc_new, _ = block(h, lp, attend, rope_btih, cfg, layer_mlp(cfg))
         new_layers.append(lc_new)
     new_cache = {"layers": tuple(new_layers), "pos": k_pos_bs, "index": index + t}
     return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache
+
+
+def hidden_states_and_routes(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None, *,
+                             routes_lbtk=None, remat=False, unroll: bool = False, segment_ids_bt=None):
+    """The cache-free `hidden_states` of an MoE model together with its routing: (h_btd,
+    `rljax.models.moe.MoEAux` stacked over layers, [L, B, T, ...]). `routes_lbtk` (int [L, B, T, k],
+    e.g. the sampler's record) replays those routes: every layer computes each token with the
+    recorded experts, gated by its own router's probabilities at them (routing replay)."""
+    b, t = tokens_bt.shape
+    attn_mask_bt = jnp.ones((b, t), bool) if attn_mask_bt is None else attn_mask_bt.astype(bool)
+    positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt
+    h, _, aux = _full_sequence(cfg, params, tokens_bt, positions_bt.astype(jnp.int32), attn_mask_bt, remat=remat,
+                               unroll=unroll, rope_cos_sin=None, return_kv=False, segment_ids_bt=segment_ids_bt,
+                               routes_lbtk=None if routes_lbtk is None else routes_lbtk.astype(jnp.int32))
+    return h, aux
 
 
 def _embed(cfg: ModelConfig, params: Params, tokens_bt):
@@ -244,13 +261,15 @@ def _embed(cfg: ModelConfig, params: Params, tokens_bt):
 
 
 def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, attn_mask_bt, *, remat: bool,
-                   unroll: bool, rope_cos_sin, return_kv: bool, segment_ids_bt=None):
+                   unroll: bool, rope_cos_sin, return_kv: bool, segment_ids_bt=None, routes_lbtk=None):
     """The cache-free forward: every layer in one `lax.scan`, attention by `resolve_attention`.
 
     For cuDNN, whose mask is per-row lengths, the rows are rolled left once so each row's real
     tokens start at slot 0 (`rljax.models.attention` explains the contract), and the outputs are
-    rolled back, so callers see their own slot order. Returns the final-normed hidden states and,
-    with `return_kv`, each layer's keys and values stacked, [L, B, T, K, H] in the compute dtype."""
+    rolled back, so callers see their own slot order. Returns the final-normed hidden states,
+    with `return_kv` each layer's keys and values stacked, [L, B, T, K, H] in the compute dtype
+    (else None), and the MLPs' aux stacked over layers (an MoE model's `MoEAux`, [L, B, T, ...];
+    None for a dense model). `routes_lbtk` (int [L, B, T, k]) replays those expert routes."""
     dt = cfg.compute_jnp_dtype
     impl = resolve_attention(cfg)
     shift_b, lengths_b = align_rows(attn_mask_bt)
@@ -266,23 +285,26 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
     windows = cfg.layer_windows()
     attend_layer = fresh_attention(impl, windows, cfg)
 
+    mlp = layer_mlp(cfg)
+
     def scan_body(h, xs):
-        lp, window = xs
+        lp, window, routes_btk = xs
         attend = lambda q, k, v: (attend_layer(q, k, v, window, rows), (k, v) if return_kv else None)
-        return block(h, lp, attend, rope_btih, cfg)
+        h, kv, aux = block(h, lp, attend, rope_btih, cfg, mlp, routes_btk)
+        return h, (kv, aux)
 
     body = jax.checkpoint(scan_body) if remat else scan_body
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
-    h, kv = jax.lax.scan(body, _embed(cfg, params, tokens_bt), (layers, jnp.asarray(windows, jnp.int32)),
-                         unroll=bool(unroll))
+    h, (kv, aux) = jax.lax.scan(body, _embed(cfg, params, tokens_bt),
+                                (layers, jnp.asarray(windows, jnp.int32), routes_lbtk), unroll=bool(unroll))
     h = rms_norm(h, params["final_norm"], cfg).astype(dt)
     if impl == "cudnn":
         h = roll_rows(h, -shift_b)
-        if return_kv:
-            kv = jax.tree.map(lambda x_lbt: jax.vmap(roll_rows, in_axes=(0, None))(x_lbt, -shift_b), kv)
-    return h, kv
+        unroll_rows = lambda x_lbt: jax.vmap(roll_rows, in_axes=(0, None))(x_lbt, -shift_b)
+        kv, aux = jax.tree.map(unroll_rows, kv), jax.tree.map(unroll_rows, aux)
+    return h, kv, aux
 
 
 def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, positions_bt=None):
@@ -293,8 +315,8 @@ def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, pos
     p = tokens_bt.shape[1]
     attn_mask_bt = attn_mask_bt.astype(bool)
     positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt.astype(jnp.int32)
-    h, (k_lbtkh, v_lbtkh) = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=False,
-                                           unroll=False, rope_cos_sin=None, return_kv=True)
+    h, (k_lbtkh, v_lbtkh), _ = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=False,
+                                              unroll=False, rope_cos_sin=None, return_kv=True)
     layers = tuple(dict(zip(("k", "v"), to_cache_layout(cfg, k_lbtkh[i], v_lbtkh[i]))) for i in range(cfg.num_layers))
     cache = {"layers": layers, "pos": jnp.where(attn_mask_bt, positions_bt, -1), "index": jnp.asarray(p, jnp.int32)}
     return h, cache

@@ -288,8 +288,8 @@ def test_param_and_compute_dtypes_are_separate():
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     """An unsupported model_type or feature names the problem in one line."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
-    with pytest.raises(CheckpointError, match="model_type 'mixtral' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    with pytest.raises(CheckpointError, match="model_type 'deepseek_v3' is not supported"):
         M.load_hf(tmp_path)
     with pytest.raises(ConfigError, match="num_heads=3 must be a multiple"):
         M.preset("qwen2-test", num_heads=3)
