@@ -28,15 +28,21 @@ The unused slots are marked (expert id -1) and the expert function receives `val
 grouped kernel can skip them.
 
 The model stays layout-free: `expert_mesh()` reads the mesh of the surrounding
-`jax.set_mesh(mesh)` context, and the MoE block routes through `expert_parallel_apply` only when
-that mesh has an `expert` axis of more than one device. Without one (or when the token count does
-not split over the axis) the plain single-device path runs, and the compiler gathers the experts.
+`jax.set_mesh(mesh)` context, and the MoE block (`rljax.models.moe`) calls `sharded_experts_apply`,
+which wraps `rljax.models.experts.experts_apply` in `expert_parallel_apply` only when that mesh has
+an `expert` axis of more than one device. Without one (or when the token count does not split over
+the axis) it is `experts_apply` itself, and the compiler gathers the experts.
+
+On each device the local experts run through `experts_apply` (any `impl`) on all n_ep C received
+rows, the unused slots with gate 0: correct for every implementation, at the cost of computing
+those padding rows (the dropless buffers' price again; a capacity factor below n_ep would trade
+it for possible drops, and is not offered).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -59,13 +65,14 @@ def expert_mesh():
     return mesh if mesh.shape[EXPERT_AXIS] > 1 else None
 
 
-def token_axes(mesh, rows: int) -> tuple[str, ...] | None:
-    """The mesh axes `rows` tokens split over: every present token axis, dropping data then fsdp
-    until their product divides `rows`; None when not even `expert` alone divides it."""
-    present = tuple(a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
+def token_axes(sizes: Mapping[str, int], rows: int) -> tuple[str, ...] | None:
+    """The mesh axes (`sizes`: {axis: size}, e.g. `mesh.shape`) `rows` tokens split over: every
+    token axis of more than one device, dropping data then fsdp until their product divides
+    `rows`; None when not even `expert` alone divides it."""
+    present = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
     for drop in range(len(present)):
         axes = present[drop:]
-        if EXPERT_AXIS in axes and rows % math.prod(mesh.shape[a] for a in axes) == 0:
+        if EXPERT_AXIS in axes and rows % math.prod(sizes[a] for a in axes) == 0:
             return axes
     return None
 
@@ -97,6 +104,27 @@ def swiglu_specs(weights: dict, mesh) -> dict:
     return {name: spec(name, w) for name, w in weights.items()}
 
 
+def sharded_experts_apply(x_td, expert_ids_tk, gates_tk, weights, *, impl: str, activation: str = "silu",
+                          dtype=jnp.float32):
+    """`rljax.models.experts.experts_apply`, expert-parallel inside a `jax.set_mesh` mesh with an
+    `expert` axis (see the module docstring), else `experts_apply` itself. Same arguments, f32 out.
+
+    Rows travel in `dtype` (what `experts_apply` rounds them to anyway), so bf16 halves the bytes."""
+    from rljax.models.experts import ExpertWeights, experts_apply
+
+    mesh = expert_mesh()
+    if mesh is None or token_axes(mesh.shape, x_td.shape[0]) is None:
+        return experts_apply(x_td, expert_ids_tk, gates_tk, weights, impl=impl, activation=activation, dtype=dtype)
+
+    def local(x_rd, expert_r, valid_r, w):
+        return experts_apply(x_rd, expert_r[:, None], valid_r[:, None].astype(jnp.float32),
+                             ExpertWeights(w["gate"], w["up"], w["down"]), impl=impl, activation=activation,
+                             dtype=dtype)
+    stacked = {"gate": weights.gate_edf, "up": weights.up_edf, "down": weights.down_efd}
+    return expert_parallel_apply(x_td.astype(dtype), expert_ids_tk, gates_tk.astype(jnp.float32), stacked, local,
+                                 mesh=mesh)
+
+
 def expert_parallel_apply(x_nd, expert_nk, gate_nk, weights, local_apply: LocalApply, *, mesh,
                           weight_specs=None):
     """y [N, D] = sum_k gate[n, k] expert_{expert[n, k]}(x[n]), with the experts split over the
@@ -109,7 +137,7 @@ def expert_parallel_apply(x_nd, expert_nk, gate_nk, weights, local_apply: LocalA
     experts (ids in [0, E / n_ep)). `N` must split over the expert axis (`token_axes`).
     """
     n_tokens, _ = x_nd.shape
-    axes = token_axes(mesh, n_tokens)
+    axes = token_axes(mesh.shape, n_tokens)
     if axes is None:
         raise ValueError(f"{n_tokens} tokens do not split over the expert axis ({mesh.shape[EXPERT_AXIS]} devices)")
     if weight_specs is None:

@@ -62,6 +62,13 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule(r"(^|/)(gate|up)$", rank=2, tensor_dim=-1),  # [D, F]: column parallel
     Rule(r"(^|/)down$", rank=2, tensor_dim=-2),  # [F, D]: row parallel
     Rule(r"(^|/)(\w*norm|o_bias|value_head)$", rank=1),  # [D] or [H]: no split
+    # Mixture of experts (rljax.models.moe): experts split on E (expert axis) and F (tensor).
+    Rule(r"(^|/)expert_(gate|up)$", rank=3, tensor_dim=-1, expert_dim=-3),  # [E, D, F]
+    Rule(r"(^|/)expert_down$", rank=3, tensor_dim=-2, expert_dim=-3),  # [E, F, D]
+    Rule(r"(^|/)shared_(gate|up)$", rank=2, tensor_dim=-1),  # [D, Fs]: the shared expert, column parallel
+    Rule(r"(^|/)shared_down$", rank=2, tensor_dim=-2),  # [Fs, D]: row parallel
+    Rule(r"(^|/)router$", rank=2),  # [D, E]: FSDP only, never on the layer axis
+    Rule(r"(^|/)shared_router$", rank=1),  # [D]
     # LoRA adapters (rljax.lora) split on tensor where their weight is, so x A B shards as x W does.
     Rule(r"(^|/)(q|k|v)/lora_b$", rank=3, tensor_dim=-2),  # [r, N or K, H]: heads
     Rule(r"(^|/)o/lora_a$", rank=3, tensor_dim=-3),  # [N, H, r]: input heads

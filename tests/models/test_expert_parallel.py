@@ -97,9 +97,9 @@ def test_token_axes_and_capacity():
     """Tokens split over data x fsdp x expert, dropping data then fsdp until the count divides;
     None when the expert axis alone does not divide. Capacity n k, buffers 3 n_ep C D bytes."""
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, expert=2))
-    assert ep.token_axes(mesh, 16) == ("data", "fsdp", "expert")
-    assert ep.token_axes(mesh, 4) == ("fsdp", "expert")
-    assert ep.token_axes(mesh, 2) == ("expert",)
-    assert ep.token_axes(mesh, 3) is None
+    assert ep.token_axes(mesh.shape, 16) == ("data", "fsdp", "expert")
+    assert ep.token_axes(mesh.shape, 4) == ("fsdp", "expert")
+    assert ep.token_axes(mesh.shape, 2) == ("expert",)
+    assert ep.token_axes(mesh.shape, 3) is None
     assert ep.capacity(10, 4) == 40
     assert ep.dispatch_bytes(10, 4, 8, 2, 4) == 3 * 2 * 40 * 8 * 4 + 2 * 2 * 40 * 4
