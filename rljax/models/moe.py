@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models.config import ModelConfig
-from rljax.models.experts import ExpertWeights, experts_apply, resolve_experts_impl
+from rljax.models.expert_parallel import sharded_experts_apply
+from rljax.models.experts import ExpertWeights, resolve_experts_impl
 from rljax.models.layers import dense_mlp, project
 
 
@@ -83,8 +84,10 @@ def moe_mlp(x_btd, lp, cfg: ModelConfig, routes_btk=None):
     b, t, d = x_btd.shape
     gates, used, own, logits = route(x_btd, lp["router"], cfg, routes_btk)
     weights = ExpertWeights(lp["expert_gate"], lp["expert_up"], lp["expert_down"])
-    y = experts_apply(x_btd.reshape(b * t, d), used.reshape(b * t, -1), gates.reshape(b * t, -1), weights,
-                      impl=resolve_experts_impl(moe.impl), activation=cfg.activation, dtype=dt).reshape(b, t, d)
+    # experts_apply, or its all-to-all expert-parallel form inside an expert mesh (rljax.models.expert_parallel)
+    y = sharded_experts_apply(x_btd.reshape(b * t, d), used.reshape(b * t, -1), gates.reshape(b * t, -1), weights,
+                              impl=resolve_experts_impl(moe.impl), activation=cfg.activation,
+                              dtype=dt).reshape(b, t, d)
     if moe.shared_expert_size:
         shared = dense_mlp(x_btd, {"gate": lp["shared_gate"], "up": lp["shared_up"], "down": lp["shared_down"]}, cfg)
         scale = jax.nn.sigmoid(project(x_btd, lp["shared_router"][:, None], dtype=dt))
