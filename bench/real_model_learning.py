@@ -113,6 +113,12 @@ def learn(args) -> None:
         curve = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
         runs[seed] = {"rc": rc, "wall_s": wall, "iterations_done": max((r["step"] for r in rows), default=0),
                       "curve": curve,
+                      # the audit (issue 52): the stricter check's held-out accuracy on the same greedy replies,
+                      # and the share of sampled rows the reward called correct that the audit also did
+                      "strict_curve": [(r["step"], r["eval/accuracy_strict"]) for r in rows
+                                       if r.get("eval/accuracy_strict") is not None],
+                      "audit_agreement": [(r["step"], r["reward/audit_agreement"], r.get("reward/audit_rows"))
+                                          for r in rows if "reward/audit_agreement" in r],
                       "start": curve[0][1] if curve else None, "end": curve[-1][1] if curve else None,
                       "best": max((a for _, a in curve), default=None),
                       "iteration_s_mean": _mean([r.get("time/iteration_s") for r in rows]),
