@@ -103,3 +103,40 @@ def test_token_axes_and_capacity():
     assert ep.token_axes(mesh.shape, 3) is None
     assert ep.capacity(10, 4) == 40
     assert ep.dispatch_bytes(10, 4, 8, 2, 4) == 3 * 2 * 40 * 8 * 4 + 2 * 2 * 40 * 4
+
+
+def test_real_update_step_on_an_expert_mesh_equals_one_device():
+    """The real `rljax.update.update_step` (GRPO with a k3 KL) on a tiny Qwen3-MoE (8 experts, top-2,
+    sorted-blocks experts) compiled for expert=2 x fsdp=2 x tensor=2 inside `jax.set_mesh`: the MoE
+    block dispatches by all-to-all (in the program), each device holds 4 of the 8 experts, and the new
+    params, optimiser state and metrics equal one device's within 1e-5."""
+    from test_layout import _close, _rl_batch
+
+    from rljax.models import init_params, preset
+    from rljax.models.moe_config import MoEConfig
+    from rljax.objectives import AlgorithmConfig
+    from rljax.optim import OptimConfig
+    from rljax.update import init_train_state, update
+
+    cfg = preset("qwen2-test").replace(model_type="qwen3_moe", qkv_bias=False, qk_norm=True,
+                                       moe=MoEConfig(num_experts=8, top_k=2, expert_size=32, norm_topk_prob=True))
+    state = init_train_state(cfg, init_params(cfg, jax.random.key(0), std=0.2), AlgorithmConfig(algorithm="grpo", kl_coef=0.1),
+                             OptimConfig(learning_rate=1e-3, eps=1e-4))  # eps: see test_layout's update_reference
+    state = state.replace(ref_params=init_params(cfg, jax.random.key(7), std=0.2))
+    host_state, batch = jax.tree.map(np.asarray, state), _rl_batch()
+    want_state, want_metrics = jax.jit(update)(state, batch, jax.random.key(3))
+
+    layout = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=2, expert=2, tensor=2)))
+    state_sh, batch_sh = layout.tree(host_state), layout.batch(batch)
+    assert state_sh.params["layers"]["expert_gate"].spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
+    step = jax.jit(update, in_shardings=(state_sh, batch_sh, layout.replicated), out_shardings=(state_sh, layout.replicated))
+    placed = jax.device_put(host_state, state_sh)
+    with jax.set_mesh(layout.mesh):
+        compiled = step.lower(placed, batch, jax.random.key(3)).compile()
+    assert "all-to-all" in compiled.as_text()
+    assert placed.params["layers"]["expert_up"].addressable_shards[0].data.shape[1] == 4
+    got_state, got_metrics = compiled(placed, jax.device_put(batch, batch_sh), jax.random.key(3))
+    _close((got_state.params, got_state.opt_state), (want_state.params, want_state.opt_state))
+    for name in want_metrics:
+        np.testing.assert_allclose(float(got_metrics[name]), float(want_metrics[name]), atol=1e-5, rtol=1e-5,
+                                   err_msg=name)
