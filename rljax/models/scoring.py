@@ -383,7 +383,7 @@ def token_top1(h_btd, w_vd, targets_bt, *, softcap: float | None = None, time_ch
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_size: int | None = None,
                    vocab_chunk: int | None = None, remat: bool = False, unroll: bool = False, segment_ids_bt=None,
-                   return_hidden: bool = False):
+                   return_hidden: bool = False, rope_cos_sin=None):
     """Log-prob of each token given its prefix, aligned with `tokens_bt`.
 
     Returns (logp_bt, entropy_bt or None), both [B, T] f32, and with `return_hidden` the final
@@ -393,9 +393,10 @@ def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=Non
     and `vocab_chunk` (vocabulary ids) override its choice (a value >= the dimension: one chunk).
     `remat`, `unroll` and `segment_ids_bt` (packed rows) go to `hidden_states`; in a packed row the
     first token of each segment is scored from the previous segment's last token (mask it out).
+    `rope_cos_sin` (per-row tables: an image prompt's M-RoPE, `rljax.models.vlm`) goes there too.
     """
     h_btd, _ = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
-                             segment_ids_bt=segment_ids_bt)
+                             segment_ids_bt=segment_ids_bt, rope_cos_sin=rope_cos_sin)
     targets_bt = tokens_bt[:, 1:]
     chunks = auto_chunk_size(*targets_bt.shape, cfg.vocab_size, time_chunk=chunk_size)
     logp, ent = fused_logprobs(h_btd[:, :-1], output_embedding(cfg, params), targets_bt, temperature=temperature,

@@ -30,6 +30,7 @@ from rljax.errors import ConfigError, DataError
 from rljax.models.config import ModelConfig
 from rljax.models.layers import is_adapted
 from rljax.models.mrope import mrope_table, rope_index
+from rljax.models.scoring import token_logprobs
 from rljax.models.transformer import (default_positions, forward, hidden_states, init_cache, init_params,
                                       logits_from_hidden)
 from rljax.models.vision import (PatchLayout, VisionConfig, init_vision_params, num_merged_tokens, patch_layout,
@@ -66,16 +67,20 @@ class ImageSplice:
     """An embedding weight whose lookup puts merged image embeddings on the image tokens.
 
     `embed` is the text embedding [V, D] (or its LoRA-adapted weight); `image_nd` [Ni, D] the
-    merger's rows in image order. The k-th image token of the batch (row-major) takes row k."""
+    merger's rows in image order; `image_bt` [B, T] marks the slots that take them (the prompts'
+    image tokens: an image token the policy generates stays text). The k-th marked slot of the
+    batch (row-major) takes row k. Only for a lookup of exactly the [B, T] tokens it was made for."""
 
     embed: Any
     image_nd: jax.Array
-    image_token_id: int = struct.field(pytree_node=False)
+    image_bt: jax.Array
 
     def lookup(self, ids_bt, dtype):
         text_btd = self.embed.lookup(ids_bt, dtype) if is_adapted(self.embed) else \
             jnp.take(self.embed, ids_bt, axis=0).astype(jnp.float32)
-        is_image_bt = ids_bt == self.image_token_id
+        is_image_bt = self.image_bt
+        if is_image_bt.shape != ids_bt.shape:
+            raise ValueError(f"ImageSplice made for tokens {is_image_bt.shape} looked up with {ids_bt.shape}")
         k_bt = jnp.cumsum(is_image_bt.reshape(-1)).reshape(ids_bt.shape) - 1
         image_btd = jnp.take(self.image_nd.astype(jnp.float32), jnp.clip(k_bt, 0, self.image_nd.shape[0] - 1), axis=0)
         return jnp.where(is_image_bt[..., None], image_btd, text_btd)
@@ -108,13 +113,14 @@ def text_params(params):
 
 
 def prepare_inputs(cfg: VLConfig, tokens_bt, mask_bt, pixel_values, grid_thw, *, num_positions: int,
-                   num_patches: int | None = None) -> VLInputs:
+                   num_patches: int | None = None, image_bt=None) -> VLInputs:
     """Checks one batch's images against its placeholders and builds its `VLInputs` on the host.
 
     `pixel_values` [Np, C*Tp*P*P] and `grid_thw` [I, 3] as the processor makes them
     (`rljax.data.images`), images in row-major order of their placeholders; `num_positions` covers
     every mask position the batch will reach (prompt plus new tokens); `num_patches` pads the
-    patches (a bucket, so batches compile once per bucket)."""
+    patches (a bucket, so batches compile once per bucket); `image_bt` marks the image slots when
+    not every real image token is one (a prompt + completion row: the prompt's only)."""
     tokens_bt, mask_bt = np.asarray(tokens_bt), np.asarray(mask_bt).astype(bool)
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     pixels = np.asarray(pixel_values, np.float32).reshape(-1, cfg.vision.patch_dim) if len(grid) else \
@@ -122,10 +128,12 @@ def prepare_inputs(cfg: VLConfig, tokens_bt, mask_bt, pixel_values, grid_thw, *,
     if pixels.shape[0] != int(grid.prod(axis=1).sum()):
         raise DataError(f"pixel_values has {pixels.shape[0]} patches but image_grid_thw describes "
                         f"{int(grid.prod(axis=1).sum())}; pass the processor's two outputs together")
-    placeholders = int((tokens_bt == cfg.image_token_id).sum())
+    placeholders = int(((tokens_bt == cfg.image_token_id) & mask_bt).sum()) if image_bt is None else int(image_bt.sum())
     if placeholders != num_merged_tokens(cfg.vision, grid):
         raise DataError(f"the prompts hold {placeholders} image tokens but the images make "
                         f"{num_merged_tokens(cfg.vision, grid)}; expand each image placeholder to its grid's count")
+    if image_bt is not None:  # generated image tokens are text: give them a token id rope_index reads as text
+        tokens_bt = np.where(np.asarray(image_bt) | (tokens_bt != cfg.image_token_id), tokens_bt, -1)
     positions_3bt, deltas_b = rope_index(tokens_bt, mask_bt, grid, cfg.image_token_id, cfg.vision.spatial_merge_size)
     num_patches = max(pixels.shape[0], cfg.vision.merge_unit) if num_patches is None else num_patches
     layout = patch_layout(cfg.vision, grid, num_patches)
@@ -140,23 +148,29 @@ def image_embeddings(cfg: VLConfig, params, inputs: VLInputs):
     return vision_tower(cfg.vision, params["visual"], inputs.pixels_np, inputs.layout)
 
 
-def spliced_params(cfg: VLConfig, params, image_nd):
-    """The decoder's params with the embedding replaced by an `ImageSplice` of `image_nd`."""
+def spliced_params(cfg: VLConfig, params, image_nd, image_bt):
+    """The decoder's params with the embedding replaced by an `ImageSplice` of `image_nd` on the
+    slots `image_bt`."""
     lm = text_params(params)
-    return {**lm, "embed": ImageSplice(lm["embed"], image_nd, cfg.image_token_id)}
+    return {**lm, "embed": ImageSplice(lm["embed"], image_nd, image_bt)}
+
+
+def prompt_images(cfg: VLConfig, tokens_bt, mask_bt):
+    """The slots of a batch that take image embeddings: its real image tokens."""
+    return (tokens_bt == cfg.image_token_id) & mask_bt.astype(bool)
 
 
 def vl_forward(cfg: VLConfig, params, tokens_bt, mask_bt, inputs: VLInputs, *, remat: bool = False):
     """Logits [B, T, V] (f32) of token rows whose image placeholders take the tower's embeddings:
     the tower once, then the decoder's full-sequence forward."""
-    lm = spliced_params(cfg, params, image_embeddings(cfg, params, inputs))
+    lm = spliced_params(cfg, params, image_embeddings(cfg, params, inputs), prompt_images(cfg, tokens_bt, mask_bt))
     logits, _ = forward(cfg.text, lm, tokens_bt, default_positions(mask_bt), mask_bt, remat=remat,
                         rope_cos_sin=inputs.rope_cos_sin)
     return logits
 
 
 def _prefill(cfg: VLConfig, params, tokens_bt, mask_bt, inputs: VLInputs, max_len: int):
-    lm = spliced_params(cfg, params, image_embeddings(cfg, params, inputs))
+    lm = spliced_params(cfg, params, image_embeddings(cfg, params, inputs), prompt_images(cfg, tokens_bt, mask_bt))
     cache = init_cache(cfg.text, tokens_bt.shape[0], max_len)
     positions = default_positions(mask_bt)
     h, cache = hidden_states(cfg.text, lm, tokens_bt, positions, mask_bt, cache, rope_cos_sin=inputs.rope_cos_sin)
@@ -190,3 +204,20 @@ def greedy_generate(cfg: VLConfig, params, tokens_bt, mask_bt, pixel_values, gri
         logits_bv, cache = _decode_jit(cfg, params, token_b, position_b, cache, inputs.rope_cos_sin)
     return np.asarray(jnp.stack(out, axis=1))
 
+
+
+def vl_token_logprobs(cfg: VLConfig, params, tokens_bt, mask_bt, inputs: VLInputs, *, train_vision: bool = True,
+                      image_bt=None, **kwargs):
+    """The trainer's log-probs (`rljax.models.token_logprobs`, aligned with `tokens_bt`) of token
+    rows with images: the tower on the rows' images, spliced, M-RoPE tables. With
+    `train_vision=False` the merged embeddings are a constant of the loss (a frozen tower: right for
+    a pretrained one, never for a random one). Image tokens are attended to; the caller's loss mask
+    (completion tokens) never trains on them. `image_bt` marks the slots that take the images
+    (default: every real image token; an RL batch passes its prompts' only, so an image token the
+    policy generated is text, as the sampler embedded it)."""
+    image_nd = image_embeddings(cfg, params, inputs)
+    if not train_vision:
+        image_nd = jax.lax.stop_gradient(image_nd)
+    image_bt = prompt_images(cfg, tokens_bt, mask_bt) if image_bt is None else image_bt
+    return token_logprobs(cfg.text, spliced_params(cfg, params, image_nd, image_bt), tokens_bt, mask_bt,
+                          default_positions(mask_bt), rope_cos_sin=inputs.rope_cos_sin, **kwargs)
