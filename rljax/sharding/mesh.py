@@ -84,6 +84,9 @@ class MeshConfig:
                 or 0 < self.sampler_devices < 1):
             raise ConfigError(f"mesh.sampler_devices={self.sampler_devices} must be a device count >= 1, a fraction "
                               "in (0, 1), or 0 (the sampler shares the trainer's devices)")
+        if self.expert > 1 and (self.sampler != "shared" or self.sampler_devices or self.sampler_processes):
+            raise ConfigError(f"mesh.expert={self.expert} runs with the sampler in the trainer's layout for now; set "
+                              "mesh.sampler='shared', mesh.sampler_devices=0 and mesh.sampler_processes=0")
         if self.sampler_tensor and self.sampler == "shared" and not self.sampler_devices:
             raise ConfigError("mesh.sampler_tensor only applies to a separate sampler layout; "
                               "set mesh.sampler='tensor' (or mesh.sampler_devices) or drop mesh.sampler_tensor")

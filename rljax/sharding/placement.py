@@ -48,6 +48,10 @@ def _local_layouts(section: MeshConfig) -> tuple[Layout | None, Layout | None]:
     if len(devices) == 1:
         return None, None
     mesh = make_mesh(section, devices)
+    if "expert" in mesh.shape:
+        # The MoE block reads JAX's mesh to dispatch tokens to their experts by all-to-all
+        # (`rljax.models.expert_parallel`); MeshConfig allows an expert axis only with the shared sampler.
+        jax.set_mesh(mesh)
     if section.sampler == "shared":
         return trainer_layout(mesh), None
     tensor = section.sampler_tensor or mesh.shape["tensor"]

@@ -60,6 +60,8 @@ def test_expert_axis_only_when_asked_and_batches_split_over_it():
     assert sharding.rules.rows_sharding(mesh, 2).spec == P(("data", "fsdp"))
     rule = sharding.Rule(r"experts$", rank=3, tensor_dim=-1, expert_dim=-3)
     assert sharding.spec_for("layers/experts", (3, 4, 64, 32), mesh, (rule,)) == P(None, "expert", "fsdp", "tensor")
+    with pytest.raises(ConfigError, match="mesh.expert=2 runs with the sampler in the trainer's layout"):
+        sharding.MeshConfig(expert=2, sampler="tensor")
 
 
 # ----------------------------------------------------------------------------- rules
