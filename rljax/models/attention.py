@@ -361,7 +361,29 @@ def _decode_split(slots: int) -> tuple[int, int, int]:
 
 
 def decode_attention(q_b1nh, k_bksh, v_bksh, start_b, end_b, cfg: ModelConfig, *, interpret: bool | None = None):
-    """One decode step's attention through the Pallas GPU decode kernel: the query of each row
+    """One decode step's attention through the project's Pallas GPU kernel
+    (`rljax.models.decode_kernel`: key splits sized by the batch, the query group in one block,
+    the finished f32 output written by the kernel when one split fills the GPU): the query of each
+    row attends over its cache slots [start_b, end_b) (see `valid_range`); keys and values
+    [B, K, S, H]. Returns f32 [B, 1, N, H] like `cached_attention`. JAX's stock kernel,
+    `decode_attention_stock`, is the reference it is tested against; `cached_attention` both's."""
+    from rljax.models.decode_kernel import split_decode_attention
+
+    interpret = _interpret_here("gpu") if interpret is None else interpret
+    b, _, n, h = q_b1nh.shape
+    kh, s = k_bksh.shape[1], k_bksh.shape[2]
+    padded = -(-s // 16) * 16
+    if padded != s:  # see `decode_attention_stock`
+        pad = ((0, 0), (0, 0), (0, padded - s), (0, 0))
+        k_bksh, v_bksh = jnp.pad(k_bksh, pad), jnp.pad(v_bksh, pad)
+    out_bkgh = split_decode_attention(q_b1nh.reshape(b, kh, n // kh, h), k_bksh, v_bksh, start_b, end_b,
+                                      scale=float(cfg.query_scale), interpret=bool(interpret))
+    return out_bkgh.reshape(b, 1, n, h)
+
+
+def decode_attention_stock(q_b1nh, k_bksh, v_bksh, start_b, end_b, cfg: ModelConfig, *,
+                           interpret: bool | None = None):
+    """One decode step's attention through JAX's stock Pallas GPU decode kernel: the query of each row
     attends over its cache slots [start_b, end_b) (see `valid_range`); keys and values [B, K, S, H].
     Returns f32 [B, 1, N, H] like `cached_attention`. A cache width that is not a multiple of the
     kernel's 16-slot block is padded every step (a copy of the cache): the samplers' widths are a
