@@ -30,7 +30,8 @@ def register(sub) -> None:
     p.add_argument("--config", help="a TOML recipe or a packaged one by name (default: the default job)")
     p.add_argument("--model", help="a named shape (Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-7B, Qwen3-8B, Llama-3.1-8B, "
                                    "Gemma-2-9B) or a HF directory with config.json (default: the recipe's model)")
-    p.add_argument("--mesh", help="trainer mesh axis sizes, e.g. data=1,fsdp=8,tensor=1 (default: the recipe's)")
+    p.add_argument("--mesh", help="trainer mesh axis sizes, e.g. data=1,fsdp=8,tensor=1 or fsdp=4,expert=2 "
+                   "(default: the recipe's)")
     p.add_argument("--stages-only", action="store_true",
                    help="skip compiling the one-program iteration (faster; the peak is the larger stage's)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -74,7 +75,7 @@ def _mesh_overrides(mesh: str | None) -> list[str]:
     out = []
     for part in mesh.split(","):
         name, _, size = part.partition("=")
-        if name.strip() not in ("data", "fsdp", "tensor") or not size.strip().lstrip("-").isdigit():
+        if name.strip() not in ("data", "fsdp", "tensor", "expert") or not size.strip().lstrip("-").isdigit():
             raise ConfigError(f"--mesh {mesh!r}: write axis sizes as data=1,fsdp=8,tensor=1")
         out.append(f"mesh.{name.strip()}={int(size)}")
     return out
@@ -88,7 +89,8 @@ def _plan(args: argparse.Namespace) -> int:
     from rljax.lora import LoraConfig
     from rljax.plan.accelerators import ACCELERATORS, GIB, device_memory
     from rljax.plan.advice import check_fits
-    from rljax.plan.memory import plan_memory, state_memory
+    from rljax.plan.memory import plan_memory, prompt_width, state_memory
+    from rljax.plan.moe import moe_plan
     from rljax.plan.shapes import model_config
     from rljax.train.config import load_config
 
@@ -115,6 +117,9 @@ def _plan(args: argparse.Namespace) -> int:
     print("mesh " + (" ".join(f"{k}={v}" for k, v in state.mesh.items()) or "none (one device)")
           + ("" if state.sampler_mesh is None else
              " | sampler mesh " + " ".join(f"{k}={v}" for k, v in state.sampler_mesh.items())))
+    moe = moe_plan(cfg, model_cfg, n, prompt_width(cfg))
+    for line in moe.lines() if moe is not None else ():
+        print(line)
     if cfg.lora.enabled:  # what LoRA saves: the same recipe's state with every weight trained
         full = state_memory(dataclasses.replace(cfg, lora=LoraConfig()), model_cfg, tokenizer=tokenizer)
         print(f"LoRA: train state {state.total_bytes / GIB:.3f} GiB per device against {full.total_bytes / GIB:.3f} "
