@@ -25,46 +25,60 @@ from rljax.errors import DataError
 from rljax.models.config import ModelConfig, rope_inv_freq
 
 
-def rope_index(tokens_bt, mask_bt, grid_thw, image_token_id: int, spatial_merge_size: int = 2
-               ) -> tuple[np.ndarray, np.ndarray]:
+def rope_index(tokens_bt, mask_bt, grid_thw, image_token_id: int, spatial_merge_size: int = 2,
+               segment_ids_bt=None) -> tuple[np.ndarray, np.ndarray]:
     """M-RoPE positions [3, B, T] int32 and deltas [B] for token rows whose runs of
     `image_token_id` are images, consumed in order (row-major over the batch) from `grid_thw`
-    [I, 3] (patch grids before merging). Padding (mask False) gets position 0, as in HF."""
+    [I, 3] (patch grids before merging). Padding (mask False) gets position 0, as in HF.
+
+    `segment_ids_bt` (packed rows, `rljax.update.packing`): each segment's positions start at 0,
+    as if it were its own row (the deltas are then 0: packed rows are scored, never decoded)."""
     tokens_bt, mask_bt = np.asarray(tokens_bt), np.asarray(mask_bt).astype(bool)
     grids = iter(np.asarray(grid_thw, np.int64).reshape(-1, 3))
     b, t = tokens_bt.shape
     positions = np.zeros((3, b, t), np.int64)
     deltas = np.zeros((b,), np.int64)
-    m = spatial_merge_size
     for row in range(b):
-        real = tokens_bt[row][mask_bt[row]]
-        is_image = real == image_token_id
-        parts, cur, start = [], 0, 0
-        while start < len(real):
-            end = start
-            while end < len(real) and is_image[end] == is_image[start]:
-                end += 1
-            if not is_image[start]:
-                parts.append(np.broadcast_to(np.arange(end - start) + cur, (3, end - start)))
-                cur += end - start
-            else:
-                grid = next(grids, None)
-                if grid is None:
-                    raise DataError(f"row {row} has more image-token runs than images given; pass one "
-                                    "image grid per image placeholder")
-                gt, gh, gw = int(grid[0]), int(grid[1]) // m, int(grid[2]) // m
-                if gt * gh * gw != end - start:
-                    raise DataError(f"row {row}: an image placeholder of {end - start} tokens does not fit its "
-                                    f"image ({gt * gh * gw} merged patches); build prompts with the image's own "
-                                    "placeholder count")
-                tt, hh, ww = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
-                parts.append(np.stack([tt, hh, ww]).reshape(3, -1) + cur)
-                cur += max(gh, gw)
-            start = end
-        row_pos = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
-        positions[:, row, mask_bt[row]] = row_pos
-        deltas[row] = (row_pos.max() + 1 if row_pos.size else 0) - len(real)
+        if segment_ids_bt is None:
+            real = tokens_bt[row][mask_bt[row]]
+            row_pos = _row_positions(real, grids, image_token_id, spatial_merge_size, row)
+            positions[:, row, mask_bt[row]] = row_pos
+            deltas[row] = (row_pos.max() + 1 if row_pos.size else 0) - len(real)
+            continue
+        seg_row = np.asarray(segment_ids_bt)[row]
+        for seg in dict.fromkeys(seg_row[mask_bt[row]].tolist()):  # segments in order of appearance
+            slots = mask_bt[row] & (seg_row == seg)
+            positions[:, row, slots] = _row_positions(tokens_bt[row][slots], grids, image_token_id,
+                                                      spatial_merge_size, row)
     return positions.astype(np.int32), deltas.astype(np.int32)
+
+
+def _row_positions(real, grids, image_token_id: int, m: int, row: int) -> np.ndarray:
+    """[3, n] positions of one sequence's real tokens (text counts on; an image takes its grid)."""
+    is_image = real == image_token_id
+    parts, cur, start = [], 0, 0
+    while start < len(real):
+        end = start
+        while end < len(real) and is_image[end] == is_image[start]:
+            end += 1
+        if not is_image[start]:
+            parts.append(np.broadcast_to(np.arange(end - start) + cur, (3, end - start)))
+            cur += end - start
+        else:
+            grid = next(grids, None)
+            if grid is None:
+                raise DataError(f"row {row} has more image-token runs than images given; pass one "
+                                "image grid per image placeholder")
+            gt, gh, gw = int(grid[0]), int(grid[1]) // m, int(grid[2]) // m
+            if gt * gh * gw != end - start:
+                raise DataError(f"row {row}: an image placeholder of {end - start} tokens does not fit its "
+                                f"image ({gt * gh * gw} merged patches); build prompts with the image's own "
+                                "placeholder count")
+            tt, hh, ww = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
+            parts.append(np.stack([tt, hh, ww]).reshape(3, -1) + cur)
+            cur += max(gh, gw)
+        start = end
+    return np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
 
 
 def mrope_table(positions_3bt, mask_bt, deltas_b, cfg: ModelConfig, mrope_section: tuple[int, ...],

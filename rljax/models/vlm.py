@@ -113,14 +113,19 @@ def text_params(params):
 
 
 def prepare_inputs(cfg: VLConfig, tokens_bt, mask_bt, pixel_values, grid_thw, *, num_positions: int,
-                   num_patches: int | None = None, image_bt=None) -> VLInputs:
+                   num_patches: int | None = None, image_bt=None, segment_ids_bt=None) -> VLInputs:
     """Checks one batch's images against its placeholders and builds its `VLInputs` on the host.
 
     `pixel_values` [Np, C*Tp*P*P] and `grid_thw` [I, 3] as the processor makes them
     (`rljax.data.images`), images in row-major order of their placeholders; `num_positions` covers
     every mask position the batch will reach (prompt plus new tokens); `num_patches` pads the
     patches (a bucket, so batches compile once per bucket); `image_bt` marks the image slots when
-    not every real image token is one (a prompt + completion row: the prompt's only)."""
+    not every real image token is one (a prompt + completion row: the prompt's only).
+
+    Packed rows (`segment_ids_bt`): each segment's M-RoPE positions restart, and the table is
+    indexed by the row's mask position, which runs on across segments. So the decoder, given
+    `default_positions(mask)` (not restarting) and the segment ids, masks causally within each
+    segment and rotates each token as in its own row: packed equals padded."""
     tokens_bt, mask_bt = np.asarray(tokens_bt), np.asarray(mask_bt).astype(bool)
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     pixels = np.asarray(pixel_values, np.float32).reshape(-1, cfg.vision.patch_dim) if len(grid) else \
@@ -134,7 +139,8 @@ def prepare_inputs(cfg: VLConfig, tokens_bt, mask_bt, pixel_values, grid_thw, *,
                         f"{num_merged_tokens(cfg.vision, grid)}; expand each image placeholder to its grid's count")
     if image_bt is not None:  # generated image tokens are text: give them a token id rope_index reads as text
         tokens_bt = np.where(np.asarray(image_bt) | (tokens_bt != cfg.image_token_id), tokens_bt, -1)
-    positions_3bt, deltas_b = rope_index(tokens_bt, mask_bt, grid, cfg.image_token_id, cfg.vision.spatial_merge_size)
+    positions_3bt, deltas_b = rope_index(tokens_bt, mask_bt, grid, cfg.image_token_id, cfg.vision.spatial_merge_size,
+                                         segment_ids_bt)
     num_patches = max(pixels.shape[0], cfg.vision.merge_unit) if num_patches is None else num_patches
     layout = patch_layout(cfg.vision, grid, num_patches)
     pixels = np.pad(pixels, ((0, num_patches - pixels.shape[0]), (0, 0)))

@@ -123,3 +123,41 @@ def test_placeholder_count_mismatch_is_one_line(checkpoint):
         prepare_inputs(cfg, tokens, mask, np.zeros((int(GRIDS[1].prod()), 1176), np.float32), GRIDS[1:],
                        num_positions=8)
     assert "\n" not in str(err.value)
+
+
+def test_packed_rows_equal_padded_rows():
+    """Two image sequences packed into one row (segment ids, positions running on, each
+    segment's M-RoPE restarting) get the log-probs they get as two left-padded rows, within 1e-5
+    (f32), except each segment's first token (scored from the previous segment: masked in
+    training). Indexing the table by positions that restart per segment (segment b reading segment
+    a's angles) moves segment b's log-probs by ~3 nats."""
+    import jax
+
+    from rljax.models import preset
+    from rljax.models.vision import VisionConfig
+    from rljax.models.vlm import VLConfig, init_vl_params, vl_token_logprobs
+
+    cfg = VLConfig(text=preset("qwen2-test", vocab_size=128, tie_embeddings=False),
+                   vision=VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                                       window_size=56, fullatt_block_indexes=(1,)),
+                   image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=121,
+                   mrope_section=(2, 3, 3))
+    params = init_vl_params(cfg, jax.random.key(0), std=0.2)
+    a = [5, 9] + placeholder(GRIDS[0]) + [33, 7, 40, 41]
+    b = [11] + placeholder(GRIDS[1]) + [3, 8, 60, 61, 62, 4, 12]
+    pixels = np.random.default_rng(0).standard_normal((int(GRIDS.prod(axis=1).sum()), 1176)).astype(np.float32)
+    score = jax.jit(lambda p, t, m, i, s: vl_token_logprobs(cfg, p, t, m, i, segment_ids_bt=s)[0])
+
+    tokens, mask = left_pad([a, b])
+    inputs = prepare_inputs(cfg, tokens, mask.astype(bool), pixels, GRIDS, num_positions=tokens.shape[1])
+    padded = np.asarray(score(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool), inputs, None))
+
+    packed_tokens = np.array([a + b + [0, 0]])
+    packed_mask = np.array([[1] * (len(a) + len(b)) + [0, 0]], bool)
+    segments = np.array([[0] * len(a) + [1] * len(b) + [0, 0]])
+    inputs = prepare_inputs(cfg, packed_tokens, packed_mask, pixels, GRIDS, num_positions=packed_tokens.shape[1],
+                            segment_ids_bt=segments)
+    packed = np.asarray(score(params, jnp.asarray(packed_tokens, jnp.int32), jnp.asarray(packed_mask), inputs,
+                              jnp.asarray(segments)))[0]
+    np.testing.assert_allclose(packed[1:len(a)], padded[0, -len(a) + 1:], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[len(a) + 1:len(a) + len(b)], padded[1, -len(b) + 1:], atol=1e-5, rtol=0)
