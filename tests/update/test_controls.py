@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_step import _batch, _state
 
-from rljax.objectives import PRESETS, AlgorithmConfig
+from rljax.objectives import AlgorithmConfig
 from rljax.update import UpdateConfig, prepare_batch, update_step
 from rljax.update.controls import token_controls
 
@@ -34,8 +34,12 @@ def test_selection_scope_is_the_minibatch_whatever_the_microbatching(kw):
     for sched in (UpdateConfig(num_microbatches=4), UpdateConfig(packing=True, max_tokens_per_microbatch=24)):
         s2, m2 = _run(algo, sched)
         assert float(m2["policy/cov_clipped_share"]) == float(m1["policy/cov_clipped_share"]) > 0
+        for k in ("loss/policy", "grad_norm"):
+            np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, err_msg=k)
+        # Adam turns near-zero gradients' summation-order noise into ~1e-6 steps; a different
+        # selection moves many parameters by ~lr = 1e-3
         for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_fast_path_logp_equals_the_scoring_pass():
@@ -70,28 +74,25 @@ def test_adaptive_entropy_coefficient_is_carried_and_logged():
         np.testing.assert_allclose(float(m["entropy/coef"]), 0.01 + sign * 0.002, rtol=1e-6)
 
 
-NEW_KEYS = ("policy/", "entropy/coef", "loss/off_policy_kl")
+NEW_KEYS = ("policy/", "entropy/coef", "loss/off_policy_kl", "train/is_zeroed_frac", "train/is_rejected_rows")
 
 
-@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"opd", "gkd"}))
-def test_presets_are_bitwise_unchanged_with_the_new_options_off(preset):
-    """Every preset (the distillation ones need a teacher and are covered by their own tests)
-    gives bitwise the same update and metrics with the new fields at their off values spelled
-    out, and no new code path runs (no policy/... or entropy/coef metric, no entropy_coef in the
-    state). Fails if a default turned a control on (e.g. top_entropy_quantile < 1)."""
-    kw = dict(kl_coef=0.01) if preset in ("grpo", "reinforce_pp") else {}
+@pytest.mark.parametrize("preset", ["grpo", "ppo", "gspo"])
+def test_presets_run_no_new_code_path_with_the_new_options_off(preset):
+    """With the new options at their defaults no new code path runs: no policy/..., entropy/coef
+    or correction metric, no entropy_coef in the state, no selection or mask in the batch; the
+    configs equal those with the off values spelled out. (Bitwise equality of every preset's
+    update with the code before issue 51 was checked once against that tree; see the issue's
+    report.) Fails if a default turned a control on (e.g. top_entropy_quantile < 1 or a cov loss)."""
+    kw = dict(kl_coef=0.01) if preset == "grpo" else {}
     off = dict(top_entropy_quantile=1.0, entropy_target=None, cov_ratio=0.01, off_policy_low=None,
                off_policy_high=None, off_policy_mean="geometric", off_policy_kl_coef=0.1)
-    sched = UpdateConfig(num_microbatches=2)
-    s1, m1 = _run(AlgorithmConfig(algorithm=preset, **kw), sched)
-    s2, m2 = _run(AlgorithmConfig(algorithm=preset, **kw, **off), sched)
-    assert s1.entropy_coef is None and s2.entropy_coef is None
-    assert not [k for k in m1 if k.startswith(NEW_KEYS)]
-    assert set(m1) == set(m2)
-    for k in m1:
-        assert np.array_equal(np.asarray(m1[k]), np.asarray(m2[k]), equal_nan=True), k
-    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    algo = AlgorithmConfig(algorithm=preset, **kw)
+    assert algo == AlgorithmConfig(algorithm=preset, **kw, **off)
+    assert not algo.token_controls and not algo.adaptive_entropy and not algo.off_policy_kl
+    state, m = _run(algo, UpdateConfig(num_microbatches=2))
+    assert state.entropy_coef is None
+    assert not [k for k in m if k.startswith(NEW_KEYS)]
 
 
 @pytest.mark.parametrize("kw", [dict(off_policy="icepop"), dict(off_policy="seq_reject", off_policy_mean="arithmetic"),

@@ -1,0 +1,129 @@
+"""Does entropy control or rollout correction keep a collapsing run alive? (issue 51)
+
+The default job (`configs/default.toml`) pushed toward entropy collapse: a raised learning rate
+and more samples per prompt. Three arms, same seeds, same iterations (wall times recorded):
+
+    plain       GRPO as the default job runs it
+    entropy     the entropy control (default: KL-Cov, Cui et al., 2025, on ~2% of the tokens)
+    correction  the rollout correction (default: IcePop with the trainer's log-probs recomputed)
+
+Each arm logs the policy's entropy every update and held-out greedy accuracy at each evaluation;
+after the run, `rljax eval` measures the last checkpoint's held-out greedy accuracy, pass@k and
+mean@k (sampled at the eval temperature, over the config's eval seeds). Writes bench/results/stability.json and docs/img/stability_entropy.png.
+
+    .venv/bin/python bench/stability.py --seeds 0 --iterations 60        # one seed per arm, short
+    .venv/bin/python bench/stability.py --collect-only                    # re-summarise, re-plot
+
+Runs one job at a time (the CPU is shared); wrap it in `flock /tmp/rljax_heavy.lock`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RUNS = os.path.join(ROOT, "runs", "stability")
+
+COLLAPSE = ["optim.learning_rate=3e-3", "sampling.num_samples=16", "rl.prompts_per_iteration=32",
+            "optim.warmup_steps=0"]
+ARMS = {
+    "plain": [],
+    "entropy": ["algorithm.policy_loss='kl_cov'", "algorithm.cov_ratio=0.02"],
+    "correction": ["algorithm.recompute_old_logp=true", "algorithm.off_policy='icepop'"],
+}
+
+
+def _launch(name, overrides, log_path):
+    cmd = [sys.executable, "-m", "rljax.cli", "train", f"output_dir='{os.path.join(RUNS, name)}'",
+           "metrics.progress_bar=false", *overrides]
+    with open(log_path, "w") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"{name} failed; see {log_path}")
+    return time.perf_counter() - t0
+
+
+def _pass_at_k(run_dir, samples):
+    """`rljax eval` of the run's last checkpoint: greedy accuracy, pass@k and mean@k (JSON)."""
+    proc = subprocess.run([sys.executable, "-m", "rljax.cli", "eval", run_dir, "--step", "latest",
+                           "--samples", str(samples)], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": proc.stderr[-500:]}
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def _series(run_dir):
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    ent = [(r["step"], r["entropy"]) for r in rows if r.get("entropy") is not None]
+    evals = [(r["step"], {k: v for k, v in r.items() if k.startswith("eval/")}) for r in rows
+             if r.get("eval/accuracy") is not None]
+    return ent, evals
+
+
+def _summary(run_dir, wall):
+    ent, evals = _series(run_dir)
+    first, last = (ent[0][1], ent[-1][1]) if ent else (None, None)
+    return {"wall_s": wall, "entropy_first": first, "entropy_last": last,
+            "entropy_min": min(v for _, v in ent) if ent else None,
+            "entropy_kept": (last / first) if ent and first else None,
+            "eval_first": evals[0][1] if evals else None, "eval_last": evals[-1][1] if evals else None,
+            "entropy": ent}
+
+
+def _plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    colors = {"plain": "tab:gray", "entropy": "tab:blue", "correction": "tab:orange"}
+    for name, row in sorted(results.items()):
+        arm = name.split("_seed")[0]
+        steps, vals = zip(*row["entropy"]) if row["entropy"] else ((), ())
+        ax.plot(steps, vals, color=colors.get(arm), alpha=0.8, label=name)
+    ax.set_xlabel("RL iteration")
+    ax.set_ylabel("policy entropy (nats / token)")
+    ax.set_title("Entropy under a collapsing setting (bench/stability.py)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS))
+    ap.add_argument("--iterations", type=int, default=60)
+    ap.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for pass@k")
+    ap.add_argument("--collect-only", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(RUNS, exist_ok=True)
+    dest = os.path.join(HERE, "results", "stability.json")
+    out = json.load(open(dest)) if os.path.exists(dest) else {"runs": {}}
+    if not args.collect_only:
+        every = max(args.iterations // 3, 1)
+        for seed in args.seeds:
+            for arm in args.arms:
+                name = f"{arm}_seed{seed}"
+                ov = [f"seed={seed}", f"rl.iterations={args.iterations}", f"eval.every={every}",
+                      f"checkpoint.every={args.iterations}", *COLLAPSE, *ARMS[arm]]
+                wall = _launch(name, ov, os.path.join(RUNS, f"{name}.log"))
+                out["runs"][name] = _summary(os.path.join(RUNS, name), wall) | {"overrides": ov}
+                out["runs"][name]["held_out"] = _pass_at_k(os.path.join(RUNS, name), args.eval_samples)
+                print(name, json.dumps({k: v for k, v in out["runs"][name].items() if k != "entropy"}), flush=True)
+                out.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           machine={"platform": platform.platform(), "cpus": os.cpu_count()})
+                with open(dest, "w") as f:
+                    json.dump(out, f, indent=1)
+    _plot(out["runs"], os.path.join(ROOT, "docs", "img", "stability_entropy.png"))
+
+
+if __name__ == "__main__":
+    main()
