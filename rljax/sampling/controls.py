@@ -38,6 +38,7 @@ from rljax.sampling.filters import Filters, make_filters
 SCHEDULERS = ("static", "continuous")
 KV_LAYOUTS = ("slots", "paged")
 DRAWS = ("auto", "reference", "one_pass")
+WEIGHT_DTYPES = ("model", "fp8")
 DECODE_PHASES_CPU = 3  # widths N/4, N/2, N: within 3% of doubling from 16's attention read (BENCHMARKS.md)
 
 
@@ -110,6 +111,10 @@ class SampleControls:
       sampler and the trainer's log-prob function, six passes over the vocabulary) or "one_pass"
       (`rljax.sampling.one_pass`: the same law and log-probs in two passes); "auto" is one_pass on
       accelerators and reference on the CPU (`default_draw`). The random stream may differ.
+    weight_dtype: "model" (the trainer's weights as they are) or "fp8": the sampler multiplies by
+      the float8_e4m3fn round trip of each dense layer weight, per-output-channel scales, taken at
+      each call, i.e. each weight sync (`rljax.sampling.fp8`; embedding and LM head unchanged).
+      The trainer is unchanged: correct the mismatch with token-level TIS (docs/api/sampling.md).
 
     Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
     """
@@ -135,6 +140,7 @@ class SampleControls:
     decode_phases: int = bounded(0, ge=0)
     logits_processor: Callable | None = None
     draw: str = "auto"
+    weight_dtype: str = "model"
 
     def __post_init__(self):
         try:
@@ -165,6 +171,9 @@ class SampleControls:
         self._check_kv_layout()
         if self.draw not in DRAWS:
             raise ConfigError(f"sampling: draw must be one of {', '.join(DRAWS)}, got {self.draw!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"sampling: weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
+                              f"got {self.weight_dtype!r}")
         if self.logits_processor is not None and not callable(self.logits_processor):
             raise ConfigError("sampling: logits_processor must be a function fn(logits_bv, row_b, step_b) -> logits_bv")
         if any(not s for s in self.stop_sequences):

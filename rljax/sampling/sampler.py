@@ -38,6 +38,7 @@ from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling import paged as PG
 from rljax.sampling.controls import SampleControls, StaticControls
+from rljax.sampling.fp8 import fp8_sampler_params_jit
 from rljax.sharding import rules
 from rljax.sharding.rules import batch_axes
 from rljax.tokenizers import check_token_ids
@@ -122,6 +123,8 @@ def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *,
     Returns a `SampleResult` with B * num_samples rows, prompt-major.
     """
     spec = controls.static()
+    if controls.weight_dtype == "fp8":  # the sampler's FP8 copy of this call's weights (`rljax.sampling.fp8`)
+        params = fp8_sampler_params_jit(params)
     tokens, mask = pad_prompts(cfg, prompt_tokens_bt, prompt_mask_bt, spec.pad_id)
     tokens, mask, b = pad_prompt_count(tokens, mask, spec.pad_id)
     rows, width = b * controls.num_samples, controls.max_new_tokens
