@@ -36,6 +36,7 @@ from rljax.models.attention import (align_rows, cached_attention, decode_attenti
                                     key_cache_layout, resolve_attention, resolve_decode_attention, roll_rows,
                                     softcap, valid_range)
 from rljax.models.config import ModelConfig
+from rljax.models.context_parallel import CONTEXT_AXIS, context_attention, context_mesh, padded_length, unzigzag, zigzag
 from rljax.models.layers import block, embed_tokens, is_adapted, rms_norm, rope_tables
 from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp
 
@@ -186,6 +187,9 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     if positions_bt is None:
         positions_bt = default_positions(attn_mask_bt)
     positions_bt = positions_bt.astype(jnp.int32)
+    if cache is None and (mesh := context_mesh()) is not None:  # `rljax.models.context_parallel`
+        return _context_sequence(cfg, params, mesh, tokens_bt, positions_bt, attn_mask_bt, segment_ids_bt,
+                                 remat=remat, unroll=unroll), None
     if cache is None:
         h, _, _ = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
                                  rope_cos_sin=rope_cos_sin, return_kv=False, segment_ids_bt=segment_ids_bt)
@@ -252,6 +256,21 @@ def hidden_states_and_routes(cfg: ModelConfig, params: Params, tokens_bt, positi
     return h, aux
 
 
+def _context_sequence(cfg: ModelConfig, params: Params, mesh, tokens_bt, positions_bt, attn_mask_bt, segment_ids_bt,
+                      *, remat, unroll: bool):
+    """The cache-free forward under a `context` mesh axis of C devices: the rows are padded to a
+    multiple of 2C slots (padding is masked), permuted into zig-zag order (each device's share of
+    every row balanced for causal attention), run with `context_attention`, and the hidden states
+    permuted back and unpadded: the same values as the one-device forward, in the callers' order."""
+    degree = mesh.shape[CONTEXT_AXIS]
+    t = tokens_bt.shape[1]
+    pad = lambda x: zigzag(jnp.pad(x, ((0, 0), (0, padded_length(t, degree) - t))), degree)
+    seg = None if segment_ids_bt is None else pad(segment_ids_bt.astype(jnp.int32))
+    h = _full_sequence(cfg, params, pad(tokens_bt), pad(positions_bt), pad(attn_mask_bt), remat=remat, unroll=unroll,
+                       rope_cos_sin=None, return_kv=False, segment_ids_bt=seg, context=mesh)[0]
+    return unzigzag(h, degree)[:, :t]
+
+
 def _embed(cfg: ModelConfig, params: Params, tokens_bt):
     h = embed_tokens(cfg, params, tokens_bt)
     if cfg.scale_embeddings:
@@ -261,7 +280,7 @@ def _embed(cfg: ModelConfig, params: Params, tokens_bt):
 
 
 def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, attn_mask_bt, *, remat: bool,
-                   unroll: bool, rope_cos_sin, return_kv: bool, segment_ids_bt=None, routes_lbtk=None):
+                   unroll: bool, rope_cos_sin, return_kv: bool, segment_ids_bt=None, context=None, routes_lbtk=None):
     """The cache-free forward: every layer in one `lax.scan`, attention by `resolve_attention`.
 
     For cuDNN, whose mask is per-row lengths, the rows are rolled left once so each row's real
@@ -271,7 +290,7 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
     (else None), and the MLPs' aux stacked over layers (an MoE model's `MoEAux`, [L, B, T, ...];
     None for a dense model). `routes_lbtk` (int [L, B, T, k]) replays those expert routes."""
     dt = cfg.compute_jnp_dtype
-    impl = resolve_attention(cfg)
+    impl = "context" if context is not None else resolve_attention(cfg)
     shift_b, lengths_b = align_rows(attn_mask_bt)
     packed = segment_ids_bt is not None
     # Kernels' segment ids: padding 0, real tokens 1 (or a packed row's segment id + 1).
@@ -283,7 +302,7 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
             "lengths_b": lengths_b, "segments_bt": segments_bt, "packed_bt": segments_bt if packed else None}
     rope_btih = rope_tables(positions_bt, cfg, rope_cos_sin)
     windows = cfg.layer_windows()
-    attend_layer = fresh_attention(impl, windows, cfg)
+    attend_layer = fresh_attention(impl, windows, cfg) if context is None else context_attention(context, cfg)
 
     mlp = layer_mlp(cfg)
 

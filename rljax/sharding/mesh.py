@@ -40,6 +40,9 @@ class MeshConfig:
     multi-process run needs all). The default, data=1, fsdp=-1, tensor=1, is plain FSDP over every
     device; one device means no sharding. Each sampler mesh is one of these too (data=-1, fsdp=1).
 
+    `context` > 1 adds a `context` axis of that size (before tensor): every row's tokens split
+    over it in zig-zag order, attention over all-gathered keys (`rljax.models.context_parallel`).
+
     `expert` > 1 adds an `expert` axis of that size (between fsdp and tensor) for a mixture of
     experts: expert weights split on E over it, tokens split over data x fsdp x expert.
 
@@ -64,6 +67,7 @@ class MeshConfig:
     fsdp: int = bounded(-1, ge=1, also=(-1,))
     tensor: int = bounded(1, ge=1, also=(-1,))
     expert: int = bounded(1, ge=1)
+    context: int = bounded(1, ge=1)
     devices: int = bounded(0, ge=0)
     sampler: Literal["shared", "tensor"] = "shared"
     sampler_tensor: int = bounded(0, ge=0)
@@ -97,29 +101,29 @@ class MeshConfig:
     def resolve(self, num_devices: int) -> tuple[int, int, int]:
         """(data, fsdp, tensor) sizes with -1 filled in so that their product times `expert` is `num_devices`."""
         sizes = list(self.sizes())
-        known = math.prod(s for s in sizes if s != -1) * self.expert
+        known = math.prod(s for s in sizes if s != -1) * self.expert * self.context
         if -1 in sizes:
             if num_devices % known:
                 raise ConfigError(
                     f"mesh {self._named(sizes)}: {num_devices} devices are not divisible by "
                     f"{known}; pick axis sizes whose product divides the device count")
             sizes[sizes.index(-1)] = num_devices // known
-        if math.prod(sizes) * self.expert != num_devices:
+        if math.prod(sizes) * self.expert * self.context != num_devices:
             raise ConfigError(
-                f"mesh {self._named(sizes)} needs {math.prod(sizes) * self.expert} devices but {num_devices} "
+                f"mesh {self._named(sizes)} needs {math.prod(sizes) * self.expert * self.context} devices but {num_devices} "
                 f"are present; set one axis to -1 or make the product {num_devices}")
         return tuple(sizes)
 
     def _named(self, sizes) -> dict[str, int]:
         named = dict(zip(AXES, sizes))
-        return named if self.expert == 1 else {**named, "expert": self.expert}
+        named = named if self.expert == 1 else {**named, "expert": self.expert}
+        return named if self.context == 1 else {**named, "context": self.context}
 
     def axes(self, num_devices: int) -> dict[str, int]:
         """{axis: size} of the mesh over `num_devices`, in mesh order (`expert` only when > 1)."""
         data, fsdp, tensor = self.resolve(num_devices)
-        if self.expert == 1:
-            return {"data": data, "fsdp": fsdp, "tensor": tensor}
-        return {"data": data, "fsdp": fsdp, "expert": self.expert, "tensor": tensor}
+        extra = {name: size for name, size in (("expert", self.expert), ("context", self.context)) if size > 1}
+        return {"data": data, "fsdp": fsdp, **extra, "tensor": tensor}
 
 
 def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
