@@ -20,6 +20,9 @@ def register(sub) -> None:
                         "chars:<alphabet> (default: the checkpoint's)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="an image before the prompt (repeat for several); needs a vision-language checkpoint "
+                        "(qwen2_5_vl); samples with the static scheduler and prints at the end")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-samples", type=int, default=1, help="completions to draw (printed at the end if > 1)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
@@ -45,6 +48,8 @@ def _sample(args) -> int:
     from rljax.checkpoint import is_run_dir
     from rljax.errors import CheckpointError, DataError
     from rljax.models import load_hf
+    from rljax.models.vl_io import is_vl_checkpoint, load_vl
+    from rljax.models.vlm import VLConfig, text_params
     from rljax.sampling import SampleControls, stream
     from rljax.storage import copy_locally_hint, is_remote
 
@@ -68,8 +73,12 @@ def _sample(args) -> int:
         if args.tokenizer is None and not any((ckpt / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise CheckpointError(f"{ckpt} holds no tokenizer (tokenizer.json or tokenizer.model); pass --tokenizer, "
                                   "or re-export the run with rljax export, which writes it beside the weights")
-        cfg, params = load_hf(ckpt)
+        cfg, params = load_vl(ckpt) if is_vl_checkpoint(ckpt) else load_hf(ckpt)
         tok = tokenizers.load(args.tokenizer or ckpt)
+    if args.image:
+        return _sample_images(args, cfg, params, tok, controls)
+    if isinstance(cfg, VLConfig):  # text only: the decoder alone
+        cfg, params = cfg.text, text_params(params)
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tok.encode(text)
@@ -116,3 +125,39 @@ def _from_run(run_dir, step: str, tokenizer: str | None):
     print(f"sampling from {picked.describe()} of {run_dir}", file=sys.stderr)
     cfg, params = load_params(picked.checkpoints, picked.step)
     return cfg, params, tokenizers.load(spec)
+
+
+IMAGE_MARKER = "<|rljax_image|>"
+
+
+def _sample_images(args, cfg, params, tok, controls) -> int:
+    """`rljax sample --image`: the images (preprocessed as `rljax.data.images`) go before the
+    prompt, each as vision_start, its placeholder tokens, vision_end; with --chat inside the user
+    turn (the template is rendered with a marker there, and the ids are spliced at it)."""
+    import jax
+    import numpy as np
+
+    from rljax.data.images import preprocess
+    from rljax.sampling.vision import generate_vl, require_vision
+
+    cfg = require_vision(cfg, f"{len(args.image)} image(s)")
+    pixels, grids = preprocess(args.image)
+    image_ids = []
+    for grid in grids:
+        image_ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (int(np.prod(grid)) // 4) + \
+            [cfg.vision_end_token_id]
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": f"{IMAGE_MARKER} {args.prompt}"}],
+                                       add_generation_prompt=True)
+        before, after = text.split(IMAGE_MARKER, 1)
+        ids = tok.encode(before) + image_ids + tok.encode(after)
+    else:
+        ids = image_ids + tok.encode(args.prompt)
+    controls = controls.with_tokenizer(tok, extra_eos_ids=cfg.text.eos_ids)
+    res = jax.device_get(generate_vl(cfg, params, np.asarray([ids], np.int32), None, pixels, grids,
+                                     key=jax.random.key(args.seed), controls=controls))
+    for i, (row, mask) in enumerate(zip(res.tokens, res.mask)):
+        if args.num_samples > 1:
+            print(f"--- sample {i}")
+        print(tok.decode([int(t) for t in row[mask]]))
+    return 0

@@ -132,3 +132,50 @@ def test_text_model_given_images_is_one_line(model):
         generate_vl(cfg.text, params, tokens, mask, pixels, GRIDS, key=jax.random.key(0),
                     controls=SampleControls(max_new_tokens=2))
     assert "\n" not in str(err.value)
+
+
+def _word_tokenizer(path):
+    import json
+
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 128)}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}w5 {{ m['content'] }} w6 {% endfor %}w7"}))
+
+
+def test_cli_sample_with_an_image(model, tmp_path, capsys):
+    """`rljax sample --image` puts the image's placeholder inside the chat turn and prints the
+    greedy completion of `greedy_generate` on those ids; a text-only checkpoint given an image is
+    a one-line error."""
+    from PIL import Image
+
+    from rljax.cli import main
+    from rljax.data.images import preprocess
+    from rljax.models import init_params, save_hf
+    from rljax.models.vl_io import save_vl
+
+    cfg, params = model
+    save_vl(cfg, params, tmp_path / "vl")
+    _word_tokenizer(tmp_path / "vl")
+    image = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 84, 3), dtype=np.uint8)).save(image)
+    pixels, grids = preprocess([image])
+    n = int(np.prod(grids[0])) // 4
+    ids = [5, START] + [IMAGE] * n + [END, 10, 11, 6, 7]
+    want = greedy_generate(cfg, params, np.asarray([ids]), np.ones((1, len(ids)), bool), pixels, grids, 5)[0].tolist()
+    want = want[:want.index(1)] if 1 in want else want  # stops at <eos>
+    assert main(["sample", "--checkpoint", str(tmp_path / "vl"), "--prompt", "w10 w11", "--chat", "--greedy",
+                 "--image", str(image), "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.split() == [f"w{t}" for t in want if t > 1]
+
+    save_hf(cfg.text, init_params(cfg.text, jax.random.key(0)), tmp_path / "text")
+    _word_tokenizer(tmp_path / "text")
+    assert main(["sample", "--checkpoint", str(tmp_path / "text"), "--prompt", "w10", "--image", str(image)]) == 2
+    err = capsys.readouterr().err
+    assert "no vision tower" in err and len(err.strip().splitlines()) == 1
