@@ -51,11 +51,12 @@ class ExpertWeights(NamedTuple):
     down_efd: jax.Array
 
 
-def resolve_experts_impl(moe_impl: str, backend: str | None = None) -> str:
+def resolve_experts_impl(moe_impl: str, backend: str | None = None, *, every_expert: bool = False) -> str:
     """`model.moe_impl` -> an implementation of `experts_apply` for `backend` (default: JAX's).
-    "auto" and "grouped": megablox on TPU, ragged (Triton) on GPU, blocks on CPU."""
-    if moe_impl == "dense" or moe_impl in EXPERT_IMPLEMENTATIONS:
-        return moe_impl
+    "auto" and "grouped": megablox on TPU, ragged (Triton) on GPU, blocks on CPU; "auto" is dense
+    when `every_expert` (top-k = E: every token visits every expert, nothing to skip)."""
+    if moe_impl == "dense" or moe_impl in EXPERT_IMPLEMENTATIONS or (moe_impl == "auto" and every_expert):
+        return "dense" if moe_impl == "auto" else moe_impl
     if moe_impl not in ("auto", "grouped"):
         raise ConfigError(f"model.moe_impl={moe_impl!r}; choose one of auto, grouped, dense")
     backend = backend or jax.default_backend()

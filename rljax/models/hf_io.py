@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from rljax.errors import CheckpointError
 from rljax.models.config import ModelConfig, from_hf_dict, to_hf_dict
+from rljax.models.moe_hf import EXPERT_LAYOUTS, canonical_suffix, expert_parts, expert_tensors, hub_suffix, moe_layer_map
 from rljax.models.transformer import Params, init_params
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -66,6 +67,10 @@ def _hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]
     if cfg.qk_norm:
         m["self_attn.q_norm.weight"] = ("q_norm", *ident)
         m["self_attn.k_norm.weight"] = ("k_norm", *ident)
+    if cfg.moe is not None:  # the MoE MLP's router and shared expert; its experts: `moe_hf.expert_parts`
+        for name in ("gate", "up", "down"):
+            del m[f"mlp.{name}_proj.weight"]
+        m.update(moe_layer_map(cfg))
     return m
 
 
@@ -185,6 +190,7 @@ def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int
     missing tensor."""
     layer_map = _hf_layer_map(cfg)
     sources: dict[tuple[str, int], _Source] = {}
+    expert_pieces: dict[tuple[str, int], dict[int, _Source]] = {}  # per-expert tensors, stacked below
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="np") as f:
             for name in f.keys():
@@ -198,6 +204,12 @@ def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int
                     want = shapes[ours].shape if ours in shapes else None
                 else:
                     m = _LAYER_KEY.match(name)
+                    parts = expert_parts(cfg, canonical_suffix(m.group(2))) if m and cfg.moe is not None else None
+                    if parts:
+                        _add_expert_parts(parts, name, int(m.group(1)), file, f, cfg, shapes, sources, expert_pieces)
+                        continue
+                    if m and cfg.moe is not None:
+                        m = _LAYER_KEY.match(f"model.layers.{m.group(1)}.{canonical_suffix(m.group(2))}")
                     if not m or m.group(2) not in layer_map:
                         raise CheckpointError(f"unexpected tensor {name!r} in {file.name} for model_type "
                                               f"{cfg.model_type!r}; the checkpoint does not fit this architecture")
@@ -211,6 +223,9 @@ def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int
                     raise CheckpointError(f"tensor {name!r} has shape {list(hf_shape)}, which does not fit "
                                           f"config.json (expected {want} in our layout)")
                 sources[(ours, layer)] = _Source(file, name, to_ours)
+    for (ours, layer), pieces in expert_pieces.items():
+        if sorted(pieces) == list(range(cfg.moe.num_experts)):
+            sources[(ours, layer)] = _Stack(tuple(pieces[e] for e in range(cfg.moe.num_experts)))
     expected = {(k, -1) for k in shapes if k != "layers"}
     expected |= {(k, i) for k in shapes["layers"] for i in range(cfg.num_layers)}
     missing = sorted(expected - set(sources))
@@ -219,6 +234,31 @@ def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int
         where = f"layer {layer} " if layer >= 0 else ""
         raise CheckpointError(f"checkpoint {path} lacks {where}{key!r} ({len(missing)} tensors missing)")
     return sources
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """One layer's experts, each from its own tensor (the per-expert layout), stacked on axis 0."""
+
+    parts: tuple[_Source, ...]
+
+
+def _add_expert_parts(parts, name: str, layer: int, file: Path, f, cfg: ModelConfig, shapes, sources,
+                      expert_pieces) -> None:
+    """Registers an expert tensor (`moe_hf.expert_parts`): a whole [E, ...] stack as a source, one
+    expert's as a piece of its stack. A shape that does not fit is named by its HF key."""
+    if layer >= cfg.num_layers:
+        raise CheckpointError(f"tensor {name!r} is past num_hidden_layers={cfg.num_layers}")
+    hf_shape = tuple(f.get_slice(name).get_shape())
+    for ours, expert, to_ours in parts:
+        want = shapes["layers"][ours].shape[1 if expert is None else 2:]
+        if _converted_shape(to_ours, hf_shape) != want or (expert is not None and expert >= cfg.moe.num_experts):
+            raise CheckpointError(f"tensor {name!r} has shape {list(hf_shape)}, which does not fit config.json "
+                                  f"(expected {want} in our layout, {cfg.moe.num_experts} experts)")
+        if expert is None:
+            sources[(ours, layer)] = _Source(file, name, to_ours)
+        else:
+            expert_pieces.setdefault((ours, layer), {})[expert] = _Source(file, name, to_ours)
 
 
 def _converted_shape(to_ours: Callable, hf_shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -240,7 +280,9 @@ class _TensorReader:
     def __exit__(self, *exc):
         self._stack.close()
 
-    def read(self, source: _Source) -> np.ndarray:
+    def read(self, source: _Source | _Stack) -> np.ndarray:
+        if isinstance(source, _Stack):
+            return np.stack([self.read(part) for part in source.parts])
         if source.file not in self._files:
             self._files[source.file] = self._stack.enter_context(safe_open(str(source.file), framework="np"))
         return source.to_ours(self._files[source.file].get_tensor(source.name))
@@ -279,13 +321,20 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _hf_tensors(cfg: ModelConfig, params: Params):
-    """Yields (hf_name, host array) pairs in the HF layout."""
+def _hf_tensors(cfg: ModelConfig, params: Params, expert_layout: str = "per_expert"):
+    """Yields (hf_name, host array) pairs in the HF layout (an MoE model's experts in
+    `expert_layout`: `rljax.models.moe_hf`)."""
+    rename = (lambda s: s) if expert_layout == "fused" else (lambda s: hub_suffix(cfg, s))
     yield "model.embed_tokens.weight", np.asarray(params["embed"])
     for suffix, (ours, _, to_hf) in _hf_layer_map(cfg).items():
         stacked = params["layers"][ours]
         for i in range(cfg.num_layers):
-            yield f"model.layers.{i}.{suffix}", np.ascontiguousarray(to_hf(np.asarray(stacked[i])))
+            yield f"model.layers.{i}.{rename(suffix)}", np.ascontiguousarray(to_hf(np.asarray(stacked[i])))
+    if cfg.moe is not None:
+        experts = {k: np.asarray(params["layers"][k]) for k in ("expert_gate", "expert_up", "expert_down")}
+        for i in range(cfg.num_layers):
+            for suffix, arr in expert_tensors(cfg, {k: w[i] for k, w in experts.items()}, expert_layout):
+                yield f"model.layers.{i}.{rename(suffix)}", arr
     yield "model.norm.weight", np.asarray(params["final_norm"])
     if "score" in params:  # a classification head instead of the LM head
         yield "score.weight", np.ascontiguousarray(np.asarray(params["score"]).T)
@@ -318,8 +367,11 @@ def written_into_place(path: Path):
 
 
 def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *,
-            max_shard_bytes: int = 2 * 1024**3, extra_config: dict[str, Any] | None = None) -> Path:
+            max_shard_bytes: int = 2 * 1024**3, extra_config: dict[str, Any] | None = None,
+            expert_layout: str = "per_expert") -> Path:
     """Writes params as a HF checkpoint directory (config.json + safetensors, sharded if large).
+    An MoE model's experts are written per expert (the Hub's layout, which transformers 5 also
+    writes) or, with `expert_layout="fused"`, as transformers 5's fused `gate_up_proj`/`down_proj`.
 
     The directory is written next to `path` and renamed into place, so a crash leaves no
     half-written checkpoint.
@@ -331,7 +383,9 @@ def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *,
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
-        for name, arr in _hf_tensors(cfg, params):
+        if expert_layout not in EXPERT_LAYOUTS:
+            raise CheckpointError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
+        for name, arr in _hf_tensors(cfg, params, expert_layout):
             if size and size + arr.nbytes > max_shard_bytes:
                 shards.append({})
                 size = 0

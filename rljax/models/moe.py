@@ -86,7 +86,7 @@ def moe_mlp(x_btd, lp, cfg: ModelConfig, routes_btk=None):
     weights = ExpertWeights(lp["expert_gate"], lp["expert_up"], lp["expert_down"])
     # experts_apply, or its all-to-all expert-parallel form inside an expert mesh (rljax.models.expert_parallel)
     y = sharded_experts_apply(x_btd.reshape(b * t, d), used.reshape(b * t, -1), gates.reshape(b * t, -1), weights,
-                              impl=resolve_experts_impl(moe.impl), activation=cfg.activation,
+                              impl=resolve_experts_impl(moe.impl, every_expert=moe.top_k == moe.num_experts), activation=cfg.activation,
                               dtype=dt).reshape(b, t, d)
     if moe.shared_expert_size:
         shared = dense_mlp(x_btd, {"gate": lp["shared_gate"], "up": lp["shared_up"], "down": lp["shared_down"]}, cfg)

@@ -84,7 +84,8 @@ def moe_from_hf(hf: dict[str, Any]) -> MoEConfig:
                          expert_size=hf["intermediate_size"], norm_topk_prob=True)
     if hf.get("use_sliding_window"):
         raise CheckpointError(f"{model_type} with use_sliding_window=True is not supported; set it to false")
-    return MoEConfig(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+    # transformers 5 writes Qwen's num_experts as num_local_experts (its attribute map)
+    return MoEConfig(num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                      expert_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                      shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0)
                      if model_type == "qwen2_moe" else 0)
