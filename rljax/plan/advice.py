@@ -7,6 +7,9 @@ Candidates, in the order tried (each alone, then all together):
                                           (with `update.packing`: max_tokens_per_microbatch / 2,
                                           / 4, ... while a micro-batch holds a buffer per device)
     update.remat = true                   layer activations recomputed in the backward pass
+    mesh.context = 2, 4, ... (fsdp / 2 ..) rows of >= 4,096 tokens: each row's tokens split over
+                                          the context axis (`rljax.models.context_parallel`); the
+                                          first that fits is the smallest CP degree that does
     mesh: every device on fsdp            params, optimiser state and reference split further
     update.logprob_chunk = chunk / 4      the [rows, chunk, vocab] logits of the scoring pass
 
@@ -34,6 +37,7 @@ from rljax.plan.accelerators import format_gib
 from rljax.plan.memory import MemoryPlan, plan_memory, prompt_width, state_memory
 
 RunConfig = Any  # a `rljax.train.config.TrainConfig`: read here, never imported (plan sits below train)
+LONG_ROW_TOKENS = 4096  # rows at least this long try context parallelism
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +111,12 @@ def candidates(cfg: RunConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
         micro *= 2
     if not u.remat:
         yield Candidate("update.remat=true", _with(cfg, "update", remat=True), True)
+    cp = 2
+    while time + 1 >= LONG_ROW_TOKENS and fsdp % cp == 0:  # context parallelism, taken from fsdp
+        context = cfg.mesh.context * cp
+        yield Candidate(f"mesh.context={context} mesh.fsdp={fsdp // cp}",
+                        _with(cfg, "mesh", context=context, fsdp=fsdp // cp), False)
+        cp *= 2
     if data > 1:
         yield Candidate(f"mesh.data=1 mesh.fsdp={data * fsdp}", _with(cfg, "mesh", data=1, fsdp=data * fsdp), False)
     chunk = min(u.chunk_for(rows // u.num_microbatches, time, model_cfg.vocab_size).time, time)  # steps per chunk

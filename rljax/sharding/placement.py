@@ -48,9 +48,10 @@ def _local_layouts(section: MeshConfig) -> tuple[Layout | None, Layout | None]:
     if len(devices) == 1:
         return None, None
     mesh = make_mesh(section, devices)
-    if "expert" in mesh.shape:
+    if "expert" in mesh.shape or "context" in mesh.shape:
         # The MoE block reads JAX's mesh to dispatch tokens to their experts by all-to-all
         # (`rljax.models.expert_parallel`); MeshConfig allows an expert axis only with the shared sampler.
+        # The forward reads it to split each row's tokens over `context` (`rljax.models.context_parallel`).
         jax.set_mesh(mesh)
     if section.sampler == "shared":
         return trainer_layout(mesh), None
