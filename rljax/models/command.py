@@ -27,6 +27,9 @@ def _inspect(args) -> int:
     for field in dataclasses.fields(cfg):
         print(f"{field.name:28s} {getattr(cfg, field.name)}")
     print(f"{'parameters':28s} {n:,}")
+    if cfg.moe is not None:  # a token uses top_k of the experts: the active share of the parameters
+        print(f"{'experts':28s} {cfg.moe.num_experts} per layer, {cfg.moe.top_k} active per token")
+        print(f"{'active parameters':28s} {n - (cfg.num_params() - cfg.num_active_params()):,}")
     if args.export:
         print(f"exported to {save_hf(cfg, params, args.export)}")
     return 0

@@ -239,3 +239,22 @@ def test_grouped_flops_are_about_k_over_e_of_dense(e, k):
     x, ids, gates, w = _experts_case(t=256, e=e, k=k, d=32, f=64)
     ratio = _flops("blocks", x, ids, gates, w) / _flops("dense", x, ids, gates, w)
     assert k / e * 0.9 <= ratio <= 1.6 * k / e, ratio
+
+
+def test_inspect_shows_experts_and_active_parameters(moe_ckpt, capsys):
+    """`rljax inspect` of an MoE checkpoint prints transformers' parameter count, the experts, and
+    the active parameters: the total less the (E - k) experts a token does not visit per layer."""
+    family, path, model, cfg, _ = moe_ckpt
+    if family != "qwen2_moe":
+        pytest.skip("checked on the family with a shared expert")
+    from rljax.cli import main
+
+    assert main(["inspect", str(path)]) == 0
+    fields = {line[:28].strip(): line[28:].strip() for line in capsys.readouterr().out.splitlines()}
+    hf_cfg = model.config
+    total = sum(p.numel() for p in model.parameters())
+    idle = hf_cfg.num_hidden_layers * (hf_cfg.num_experts - hf_cfg.num_experts_per_tok) * 3 * hf_cfg.hidden_size \
+        * hf_cfg.moe_intermediate_size
+    assert fields["parameters"] == f"{total:,}"
+    assert fields["active parameters"] == f"{total - idle:,}"
+    assert fields["experts"] == "4 per layer, 2 active per token"
