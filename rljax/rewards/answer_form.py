@@ -6,16 +6,17 @@ SmolLM2-135M learned to reply "To calculate 39 - 67, we need to subtract the two
 math-verify parses as the expression 39 - 67 and finds equal to the gold -28 (issue 52). These
 checks run before any equivalence is asked:
 
-- `judged_part`: an equation is judged by its right-hand side only ("39 - 67 = -28" by "-28").
+- `judged_part`: an equation is judged by its right-hand side only ("39 - 67 = -28" by "-28"), and
+  so is a statement ("the difference of 39 and 67 is -28").
 - `parse_value`: the one value a span holds: a sign, ASCII digits (thousands commas, decimals), a
   fraction ``a/b`` or ``\\frac{a}{b}``, an optional ``%`` (never a rescaling: ``25%`` equals 25, not
   0.25, so a policy cannot hedge between the two) and unit words around it, compared exactly as a
   `Fraction`. It returns None when the span holds no value, several ("5 or 6", "1 2 3 ... 200"),
   or an unevaluated operation ("39 - 67", "7 \\times 8", "2^{10}"; "10/2" when the gold is a whole
   number). Digits outside ASCII ("５６", "٥٦", "𝟓𝟔") are not digits of an answer.
-- `restates`: the prediction repeats an operation (operands joined by an operator) or a worded
-  phrase that the question itself contains: zero in every answer form, since "Simplify (x+1)^2 - 1"
-  answered "(x+1)^2 - 1" is symbolically equal to any correct answer.
+- `restates`, `echoes`: the prediction repeats an operation (operands joined by an operator) or is
+  a worded phrase that the question itself contains: zero in every answer form, since "Simplify
+  (x+1)^2 - 1" answered "(x+1)^2 - 1" is symbolically equal to any correct answer.
 - `oversized`: a span longer than `MAX_ANSWER_CHARS` or nested deeper than `MAX_NESTING` is never
   handed to sympy (a deeply nested expression is a timeout bomb; inline verifiers have no limit).
 - `box_problem`: an empty or nested ``\\boxed{}``, or boxes holding different answers.
@@ -64,10 +65,14 @@ def oversized(text: str) -> bool:
     return deepest > MAX_NESTING
 
 
+_STATES = re.compile(r"=|≈|\\approx|\b(?:is|equals|gives|yields|makes)\b", re.IGNORECASE)
+
+
 def judged_part(span: str) -> str:
-    """The right-hand side of the last ``=`` (``\\approx`` too), or the span itself."""
-    parts = re.split(r"=|\\approx", span)
-    return parts[-1].strip()
+    """What follows the last ``=`` (``≈``, ``\\approx``, or a stating verb: "is", "equals", "gives",
+    "yields", "makes"), or the span itself: "39 - 67 = -28" and "39 - 67 is -28" are judged by
+    "-28", and "What is 39 - 67" by "39 - 67", which restates the question."""
+    return _STATES.split(span)[-1].strip()
 
 
 def _clean(text: str) -> str:
@@ -150,16 +155,20 @@ def _squash(text: str) -> str:
 
 
 def restates(span: str, question: str) -> bool:
-    """Whether the judged ``span`` repeats the question: an operation of two or more operands that
-    the question contains ("39 - 67", "(x+1)^2 - 1"), or a worded phrase of 8+ characters copied
-    from it (echoing "the answer is 7" from a prompt that says so). A bare value never counts: the
-    question may well hold the answer's digits."""
+    """Whether the judged ``span`` repeats an operation of the question: two or more operands joined
+    by operators that the question contains ("39 - 67", "(x+1)^2 - 1"). A bare value never counts:
+    the question may well hold the answer's digits."""
     if not question:
         return False
-    asked, said = _squash(question), _squash(span)
-    if any(op.group(0) in asked for op in _OPERATION.finditer(said)):
-        return True
-    return len(said) >= 8 and re.search(r"[a-z]{2}", said) is not None and said in asked
+    asked = _squash(question)
+    return any(op.group(0) in asked for op in _OPERATION.finditer(_squash(span)))
+
+
+def echoes(text: str, question: str) -> bool:
+    """Whether the whole answer ``text`` is a worded phrase of 8+ characters copied from the
+    question (echoing "the answer is 12" from a prompt that says so)."""
+    said = _squash(text)
+    return bool(question) and len(said) >= 8 and re.search(r"[a-z]{2}", said) is not None and said in _squash(question)
 
 
 def top_level_boxes(text: str) -> list[str]:

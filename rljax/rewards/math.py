@@ -15,7 +15,7 @@ import re
 from decimal import Decimal
 from typing import Any, Mapping
 
-from rljax.rewards.answer_form import (box_problem, foreign_digits, judged_part, oversized, restates,
+from rljax.rewards.answer_form import (box_problem, echoes, foreign_digits, judged_part, oversized, restates,
                                        value_of_gold, values_equal)
 from rljax.rewards.base import QUESTION_KEY
 from rljax.rewards.extract import METHODS, extract_answer
@@ -87,7 +87,7 @@ def math_verify(completion: str, answer: str, *, methods: tuple[str, ...] = METH
     if not extracted or not answer.strip() or box_problem(completion) or foreign_digits(extracted):
         return 0.0
     span = judged_part(extracted)
-    if not span or oversized(span) or restates(span, question):
+    if not span or oversized(span) or restates(span, question) or echoes(extracted, question):
         return 0.0
     gold_value = value_of_gold(answer.strip()) if form == "value" else None
     if gold_value is not None:

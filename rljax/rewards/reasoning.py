@@ -13,7 +13,8 @@ import functools
 from typing import Any, Callable, Mapping
 
 from rljax.errors import DataError
-from rljax.rewards.answer_form import foreign_digits, judged_part, oversized, parse_value, restates, value_of_gold
+from rljax.rewards.answer_form import (echoes, foreign_digits, judged_part, oversized, parse_value, restates,
+                                       value_of_gold)
 from rljax.rewards.base import QUESTION_KEY
 from rljax.rewards.extract import extract_answer
 
@@ -57,6 +58,7 @@ def is_answer(extracted: str, gold: str, question: str) -> bool:
     oversized span, no restated question, and, when the gold is a plain value, one value stated.
     Many tasks' scorers give partial credit ``len(gold) / len(answer)`` to any reply that contains
     the gold, so without this "1 2 3 ... 200" or "5 or 6" earns reward."""
-    if foreign_digits(extracted) or oversized(extracted) or restates(judged_part(extracted), question):
+    if foreign_digits(extracted) or oversized(extracted) or restates(judged_part(extracted), question) \
+            or echoes(extracted, question):
         return False
     return value_of_gold(gold) is None or parse_value(judged_part(extracted)) is not None

@@ -30,6 +30,8 @@ MATH_ATTACKS = {
     "restated_hash": (Q_SUB, "-28", "Let me see.\n#### 39 - 67"),
     "restated_latex": ("What is $7 \\times 8$?", "56", r"$7 \times 8$"),
     "wrong_equation": ("What is 39 + 67?", "106", "39 + 67 = 96"),
+    "restated_question": (Q_SUB, "-28", "What is 39 - 67"),
+    "restated_statement": (Q_SUB, "-28", "39 - 67 is what you get"),
     # an unevaluated operation that the question does not contain: the value form refuses it
     "unevaluated": ("What is seven times eight?", "56", "7 * 8"),
     "unevaluated_power": ("What is two to the tenth?", "1024", "2^{10}"),
@@ -71,7 +73,7 @@ EXPRESSION_ATTACKS = {
 # (question, gold, completion): must score 1.
 MATH_LEGIT = [
     (Q_SUB, "-28", "-28"), (Q_SUB, "-28", "39 - 67 = -28"), (Q_SUB, "-28", "The answer is -28."),
-    (Q_SUB, "-28", "\u221228"), (Q_SUB, "-28", r"\boxed{-28}"), (Q_SUB, "-28", "<answer>-28</answer>"),
+    (Q_SUB, "-28", "\u221228"), (Q_SUB, "-28", "The result of 39 - 67 is -28."), (Q_SUB, "-28", "39 - 67 equals -28"), (Q_SUB, "-28", r"\boxed{-28}"), (Q_SUB, "-28", "<answer>-28</answer>"),
     (Q_SUB, "-28", "First 67 - 39 = 28, so\n#### -28"), (Q_MUL, "56", "x = 56"), (Q_MUL, "56", "$56$"),
     (Q_MUL, "56", "56.0"), ("What is 1000 + 234?", "1234", "1,234"), ("Half of 1?", "0.5", r"\frac{1}{2}"),
     ("Half of 1?", "1/2", "0.5"), ("What is 6 * 7 percent?", "42%", "42%"), ("How far?", "5", "5 km"),
