@@ -52,6 +52,7 @@ for path in (HERE, ROOT):  # bench/gpu helpers and the rljax checkout (not insta
 
 from gpu.report import markdown  # noqa: E402
 from gpu.shapes import nvidia_smi, package_versions  # noqa: E402
+from gpu.decode_phases import DECODE_ROOFLINE_CASES  # noqa: E402
 
 UPDATE_CASES = ["0.5B-auto", "0.5B-xla", "1.5B-auto"]
 DECODE_CASES = ["static-64", "static-256", "continuous-256", "static-256-xla"]
@@ -63,6 +64,8 @@ PHASES = [("ceilings", None, 60),
           *[("update", c, 150) for c in UPDATE_CASES],
           ("torch_update", "0.5B", 90), ("torch_update", "1.5B", 120),
           *[("decode", c, 100) for c in DECODE_CASES],
+          # issue 48: both floors, one-pass vs reference draw, FP8 weights, the long tail (bench/gpu/decode_phases.py)
+          *[("decode_roofline", c, 110 if c.startswith("longtail") else 90) for c in DECODE_ROOFLINE_CASES],
           ("hf_decode", "64", 80), ("parity", None, 60), ("hf_decode", "256", 45)]
 START_SHARE = 0.5  # a phase starts only with at least this share of its limit left before the deadline
 RESERVE_S = 5  # kept back from the deadline for writing the results

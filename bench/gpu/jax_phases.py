@@ -11,6 +11,7 @@ import time
 
 from gpu.shapes import CompileCounter, absent_module_imports, accelerator_versions, decode_floor_bytes, \
     hf_config, matmul_params, nvidia_smi, timed, train_flops_per_token
+from gpu.decode_phases import decode_roofline  # noqa: F401  (issue 48's decode rows, run as a jax phase)
 
 # (rows, tokens per row, micro-batches, remat) of the update step, at full and --small shapes
 UPDATE_SHAPES = {"0.5B": (64, 1024, 4, False), "1.5B": (64, 1024, 8, True)}
