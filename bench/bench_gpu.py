@@ -23,6 +23,11 @@ is recorded as skipped):
                  parity, under a short limit (it did not finish in 70 s on an H200).
 6. parity        f32 logits vs transformers at matmul precision default / highest, and the bf16
                  sampler/trainer log-prob gap, on a 4-layer model.
+7. moe           (issue 47) the update of a Qwen3-MoE-shaped model (8 layers, hidden 2048, 64
+                 experts of width 768, top-8; 2.9B params, bf16 params and moments) with grouped
+                 experts (ragged_dot's Pallas Triton lowering on GPU) and the dense all-experts
+                 reference: tokens/s, MFU over ACTIVE params (`bench/gpu/moe_phases.py`); about 3
+                 minutes on an H200 (`--only ceilings moe` measures the peak it divides by).
 
 Each (phase, case) runs in its own child process (`--phase`, `--case`) under its own time limit,
 so a failure, an OOM or a hang costs only that row. Results go to
@@ -52,6 +57,7 @@ for path in (HERE, ROOT):  # bench/gpu helpers and the rljax checkout (not insta
 
 from gpu.report import markdown  # noqa: E402
 from gpu.shapes import nvidia_smi, package_versions  # noqa: E402
+from gpu.moe_phases import MOE_CASES  # noqa: E402
 from gpu.decode_phases import DECODE_ROOFLINE_CASES  # noqa: E402
 
 UPDATE_CASES = ["0.5B-auto", "0.5B-xla", "1.5B-auto"]
@@ -66,7 +72,8 @@ PHASES = [("ceilings", None, 60),
           *[("decode", c, 100) for c in DECODE_CASES],
           # issue 48: both floors, one-pass vs reference draw, FP8 weights, the long tail (bench/gpu/decode_phases.py)
           *[("decode_roofline", c, 110 if c.startswith("longtail") else 90) for c in DECODE_ROOFLINE_CASES],
-          ("hf_decode", "64", 80), ("parity", None, 60), ("hf_decode", "256", 45)]
+          ("hf_decode", "64", 80), ("parity", None, 60), ("hf_decode", "256", 45),
+          *[("moe", c, 90) for c in MOE_CASES]]  # issue 47: grouped vs dense MoE update
 START_SHARE = 0.5  # a phase starts only with at least this share of its limit left before the deadline
 RESERVE_S = 5  # kept back from the deadline for writing the results
 TAIL_LINES = 30  # output lines kept in the JSON of a phase that did not finish cleanly
@@ -74,10 +81,11 @@ TAIL_LINES = 30  # output lines kept in the JSON of a phase that did not finish 
 
 def run_phase(args) -> None:
     """Child process: run one (phase, case) and append its records."""
-    from gpu import jax_phases, torch_phases
+    from gpu import jax_phases, moe_phases, torch_phases
     from gpu.shapes import Recorder
 
-    fn = getattr(jax_phases, args.phase, None) or getattr(torch_phases, args.phase)
+    fn = (getattr(moe_phases, args.phase, None) or getattr(jax_phases, args.phase, None)
+          or getattr(torch_phases, args.phase))
     fn(args, args.case, Recorder(args.records, args.phase, args.case))
 
 
