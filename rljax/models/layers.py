@@ -23,8 +23,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from rljax.models.config import ModelConfig, rope_attention_scale, rope_inv_freq
+
+# Every projection's f32 product is tagged with this name: the selective remat policy
+# (`rljax.models.remat`) saves it, so a layer's backward recomputes no matmul. An identity outside
+# `jax.checkpoint`.
+MATMUL_NAME = "matmul"
 
 
 def rms_norm(x, w, cfg: ModelConfig):
@@ -94,7 +100,7 @@ def project(x, w, contract: int = 1, dtype=None):
     dtype = dtype or x.dtype
     lead, k_shape = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
     k = int(np.prod(k_shape))
-    y = _matmul(x.reshape(-1, k).astype(dtype), w.astype(dtype).reshape(k, -1))
+    y = checkpoint_name(_matmul(x.reshape(-1, k).astype(dtype), w.astype(dtype).reshape(k, -1)), MATMUL_NAME)
     return y.reshape(*lead, *w.shape[contract:])
 
 

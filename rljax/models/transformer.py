@@ -38,6 +38,7 @@ from rljax.models.attention import (align_rows, cached_attention, decode_attenti
 from rljax.models.config import ModelConfig
 from rljax.models.context_parallel import CONTEXT_AXIS, context_attention, context_mesh, padded_length, unzigzag, zigzag
 from rljax.models.layers import block, embed_tokens, is_adapted, rms_norm, rope_tables
+from rljax.models.remat import remat_layer
 from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp
 
 Params = dict[str, Any]
@@ -169,7 +170,8 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     Without a cache the layers run as one `lax.scan` (compiles once for any depth); `unroll=True`
     unrolls it, which removes the scan's stacked per-layer residuals (zero-filled and copied in
     and out of the loop) at the price of compile time growing with depth.
-    `remat=True` recomputes each layer's activations in the backward pass. `rope_cos_sin`, a
+    `remat` (True / "full", "selective", False / "none": `rljax.models.remat`) recomputes each
+    layer's activations, or its elementwise work only, in the backward pass. `rope_cos_sin`, a
     `rope_table(cfg, P)` with P above every position in `positions_bt`, replaces computing cos and
     sin (gathered instead; bitwise the same values).
     `kv_attend(layer_cache, window, positions_bt, q, k, v) -> (out_btnh f32, new layer_cache)`, with
@@ -312,7 +314,7 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
         h, kv, aux = block(h, lp, attend, rope_btih, cfg, mlp, routes_btk)
         return h, (kv, aux)
 
-    body = jax.checkpoint(scan_body) if remat else scan_body
+    body = remat_layer(scan_body, remat)  # none, selective or full (`rljax.models.remat`)
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)

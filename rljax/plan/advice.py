@@ -109,7 +109,7 @@ def candidates(cfg: RunConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
         best = ("num_microbatches", micro)
         yield Candidate(f"update.num_microbatches={micro}", _with(cfg, "update", num_microbatches=micro), True)
         micro *= 2
-    if not u.remat:
+    if u.remat in (False, "none", "selective"):  # full remat not yet tried
         yield Candidate("update.remat=true", _with(cfg, "update", remat=True), True)
     cp = 2
     while time + 1 >= LONG_ROW_TOKENS and fsdp % cp == 0:  # context parallelism, taken from fsdp

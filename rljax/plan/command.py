@@ -110,6 +110,12 @@ def _plan(args: argparse.Namespace) -> int:
         model_cfg = policy_config(cfg.model, tokenizer)
     named = args.accelerator or cfg.plan.accelerator
     limit = device_memory(named, cfg.plan.device_memory_gib) if (named or cfg.plan.device_memory_gib) else None
+    if cfg.update.remat == "auto":  # the mode `rljax train` would run (`rljax.plan.remat`), then its plan
+        from rljax.plan.remat import choose_remat
+
+        choice = choose_remat(cfg, model_cfg, tokenizer=tokenizer, limit=limit)
+        print(choice.line())
+        cfg = choice.cfg
     n_params = sum(x.size for x in jax.tree.leaves(_abstract_params(model_cfg)))
     print(f"rljax plan: {args.config or 'default'}, {args.model or model_cfg.model_type} ({n_params / 1e6:,.1f}M "
           f"params, {model_cfg.param_dtype} params, {model_cfg.compute_dtype} compute), {n} devices")

@@ -4,6 +4,7 @@ section). What it optimises is `rljax.objectives.AlgorithmConfig`."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 
@@ -20,7 +21,11 @@ class UpdateConfig:
     Schedule: `num_epochs` passes over `num_minibatches` shuffled mini-batches (one optimiser step
     each), each split into `num_microbatches` whose gradients are accumulated.
     Compilation: `remat` recomputes layer activations in the backward pass (less memory, more
-    compute); `unroll_layers` unrolls the layer scan of the trained forward (XLA can then fuse
+    compute): "none" (= false), "selective" (matmul outputs saved, elementwise work recomputed),
+    "full" (= true), or "auto", which `rljax train` resolves before building the update to the
+    fastest of the three that the memory plan fits on the device (`rljax.plan.remat`; on a CPU,
+    whose memory is unknown, "none"); see `rljax.models.remat`. `unroll_layers` unrolls the
+    layer scan of the trained forward (XLA can then fuse
     across layer boundaries and schedule each layer's matmuls on their own; compiles take longer;
     see `rljax.models.hidden_states` and BENCHMARKS.md). Unset, it is on for GPU and TPU and off
     on a CPU (`layers_unrolled`): a scanned forward saves its residuals as [L, ...] stacks that
@@ -42,7 +47,7 @@ class UpdateConfig:
     num_epochs: int = bounded(1, ge=1)
     num_minibatches: int = bounded(1, ge=1)
     num_microbatches: int = bounded(1, ge=1)
-    remat: bool = False
+    remat: Literal["auto", "none", "selective", "full"] | bool = False
     unroll_layers: bool | None = None
     logprob_chunk: int | None = bounded(None, ge=1)
     logprob_vocab_chunk: int | None = bounded(None, ge=1)
