@@ -23,7 +23,13 @@ is recorded as skipped):
                  parity, under a short limit (it did not finish in 70 s on an H200).
 6. parity        f32 logits vs transformers at matmul precision default / highest, and the bf16
                  sampler/trainer log-prob gap, on a 4-layer model.
-7. moe           (issue 47) the update of a Qwen3-MoE-shaped model (8 layers, hidden 2048, 64
+7. remat         (issue 53) the 1.5B update with remat none / selective / full at 4 and 8
+                 micro-batches, and "auto-mb4": the mode `update.remat = "auto"` picks from the
+                 memory plan on this device (`bench/gpu/remat_phases.py`).
+8. torch_peer    (issue 53) the PyTorch step with forward + loss under `torch.compile`, and with
+                 Liger's `LigerFusedLinearGRPOLoss` (skipped, saying why, without a GPU or the
+                 liger_kernel package) (`bench/gpu/torch_peers.py`).
+9. moe           (issue 47) the update of a Qwen3-MoE-shaped model (8 layers, hidden 2048, 64
                  experts of width 768, top-8; 2.9B params, bf16 params and moments) with grouped
                  experts (ragged_dot's Pallas Triton lowering on GPU) and the dense all-experts
                  reference: tokens/s, MFU over ACTIVE params (`bench/gpu/moe_phases.py`); about 3
@@ -57,8 +63,10 @@ for path in (HERE, ROOT):  # bench/gpu helpers and the rljax checkout (not insta
 
 from gpu.report import markdown  # noqa: E402
 from gpu.shapes import nvidia_smi, package_versions  # noqa: E402
-from gpu.moe_phases import MOE_CASES  # noqa: E402
 from gpu.decode_phases import DECODE_ROOFLINE_CASES  # noqa: E402
+from gpu.moe_phases import MOE_CASES  # noqa: E402
+from gpu.remat_phases import REMAT_CASES  # noqa: E402
+from gpu.torch_peers import PEER_CASES  # noqa: E402
 
 UPDATE_CASES = ["0.5B-auto", "0.5B-xla", "1.5B-auto"]
 DECODE_CASES = ["static-64", "static-256", "continuous-256", "static-256-xla"]
@@ -73,6 +81,9 @@ PHASES = [("ceilings", None, 60),
           # issue 48: both floors, one-pass vs reference draw, FP8 weights, the long tail (bench/gpu/decode_phases.py)
           *[("decode_roofline", c, 110 if c.startswith("longtail") else 90) for c in DECODE_ROOFLINE_CASES],
           ("hf_decode", "64", 80), ("parity", None, 60), ("hf_decode", "256", 45),
+          # issue 53: the 1.5B update at each remat mode and what "auto" picks, and the stronger PyTorch peers
+          *[("remat", c, 240 if c.startswith("auto") else 110) for c in REMAT_CASES],
+          *[("torch_peer", c, 150) for c in PEER_CASES],
           *[("moe", c, 90) for c in MOE_CASES]]  # issue 47: grouped vs dense MoE update
 START_SHARE = 0.5  # a phase starts only with at least this share of its limit left before the deadline
 RESERVE_S = 5  # kept back from the deadline for writing the results
@@ -81,11 +92,11 @@ TAIL_LINES = 30  # output lines kept in the JSON of a phase that did not finish 
 
 def run_phase(args) -> None:
     """Child process: run one (phase, case) and append its records."""
-    from gpu import jax_phases, moe_phases, torch_phases
+    from gpu import jax_phases, moe_phases, remat_phases, torch_peers, torch_phases
     from gpu.shapes import Recorder
 
-    fn = (getattr(moe_phases, args.phase, None) or getattr(jax_phases, args.phase, None)
-          or getattr(torch_phases, args.phase))
+    fn = next(getattr(m, args.phase) for m in (jax_phases, torch_phases, remat_phases, torch_peers, moe_phases)
+              if hasattr(m, args.phase))
     fn(args, args.case, Recorder(args.records, args.phase, args.case))
 
 

@@ -169,6 +169,8 @@ def phases(r: Run) -> list[str]:
 
 def markdown(run: dict, update_cases: list[str], decode_cases: list[str], hf_cases: list[str]) -> str:
     r = Run(run)
-    out = header(run) + ceilings(r) + update(r, update_cases) + decode(r, decode_cases, hf_cases) + numerics(r) \
-        + phases(r)
+    from gpu.remat_phases import report_lines as remat_lines  # issue 53: remat modes and PyTorch peers
+
+    out = header(run) + ceilings(r) + update(r, update_cases) + remat_lines(r) + decode(r, decode_cases, hf_cases) \
+        + numerics(r) + phases(r)
     return "\n".join(out)
