@@ -47,12 +47,12 @@ def vl_from_hf_dict(hf: dict[str, Any], **text_overrides) -> VLConfig:
         raise CheckpointError(f"vision hidden_act {vision['hidden_act']!r} is not supported; Qwen2.5-VL uses silu")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = tuple(rope.get("mrope_section", (16, 24, 24)))
-    text_cfg = from_hf_dict({**text, "model_type": "qwen2", "use_sliding_window": False,
-                             "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
-                             "rope_parameters": {k: v for k, v in rope.items() if k not in ("mrope_section", "type")}
-                             | {"rope_type": "default" if rope.get("rope_type", rope.get("type")) in (None, "mrope")
-                                else rope.get("rope_type", rope.get("type"))}},
-                            **text_overrides)
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    rope_type = rope.get("rope_type", rope.get("type"))
+    text_rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "type")}
+    text_rope["rope_type"] = "default" if rope_type in (None, "mrope") else rope_type  # M-RoPE is default RoPE x 3
+    text_cfg = from_hf_dict({**text, "model_type": "qwen2", "use_sliding_window": False, "tie_word_embeddings": tied,
+                             "rope_parameters": text_rope}, **text_overrides)
     vrope = vision.get("rope_parameters") or {}
     vcfg = VisionConfig(**{k: vision[k] for k in _VISION_FIELDS if k in vision},
                         rope_theta=float(vrope.get("rope_theta", 10000.0)))
@@ -70,7 +70,8 @@ def vl_to_hf_dict(cfg: VLConfig) -> dict[str, Any]:
                 rope_parameters={**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)})
     v = cfg.vision
     vision = {k: getattr(v, k) for k in _VISION_FIELDS}
-    vision.update(model_type="qwen2_5_vl_vision", hidden_act="silu", fullatt_block_indexes=list(v.fullatt_block_indexes),
+    vision.update(model_type="qwen2_5_vl_vision", hidden_act="silu",
+                  fullatt_block_indexes=list(v.fullatt_block_indexes),
                   rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
     return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": cfg.model_type,
             "text_config": text, "vision_config": vision, "image_token_id": cfg.image_token_id,
@@ -115,7 +116,8 @@ def load_vl(path: str | os.PathLike, *, param_dtype: str = "float32", compute_dt
                           compute_dtype=compute_dtype)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no *.safetensors in {path}; export the model with save_pretrained(safe_serialization=True)")
+        raise CheckpointError(f"no *.safetensors in {path}; export the model with "
+                              "save_pretrained(safe_serialization=True)")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         with safe_open(str(file), framework="np") as f:

@@ -53,7 +53,8 @@ class VLConfig:
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
         if sum(self.mrope_section) != self.text.head_dim // 2:
-            raise ConfigError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.text.head_dim // 2}")
+            raise ConfigError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = "
+                              f"{self.text.head_dim // 2}")
 
     def replace(self, **changes) -> VLConfig:
         return dataclasses.replace(self, **changes)
