@@ -94,7 +94,8 @@ def moe(args, case, record):
     tflops = moe_train_flops_per_token(hf, seq) * tokens / med / 1e12
     record(system="rljax", model="qwen3_moe-8L-64x768-top8" if not args.small else "qwen3_moe-small", moe_impl=case,
            experts_impl=resolve_experts_impl(case), rows=rows, seq=seq, microbatches=micro, remat=True,
-           params=cfg.num_params(), active_params=cfg.num_active_params(), active_matmul_params=active_matmul_params(hf),
+           params=cfg.num_params(), active_params=cfg.num_active_params(),
+           active_matmul_params=active_matmul_params(hf),
            first_call_s=first_s, **first, step_s=med, times=times, tokens_per_s=tokens / med, model_tflops=tflops,
            mfu_active=ratio(tflops, args.peak_tflops), peak_mem_gib=peak_memory_gib(jax.devices()[0]),
            metrics={k: float(v) for k, v in metrics.items() if "loss" in k or "grad_norm" in k})

@@ -147,7 +147,8 @@ def expert_parallel_apply(x_nd, expert_nk, gate_nk, weights, local_apply: LocalA
     n_experts = jax.tree.leaves(weights)[0].shape[0]
     if n_experts % n_ep:
         raise ValueError(f"{n_experts} experts do not split over {n_ep} expert-parallel devices")
-    tensor_split = any(TENSOR_AXIS in tuple(s) for s in jax.tree.leaves(weight_specs, is_leaf=lambda s: isinstance(s, P)))
+    specs = jax.tree.leaves(weight_specs, is_leaf=lambda s: isinstance(s, P))
+    tensor_split = any(TENSOR_AXIS in tuple(s) for s in specs)
     rows = P(axes)
     body = _dispatch_combine(local_apply, n_ep, n_experts // n_ep, tensor_split)
     return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, weight_specs), out_specs=rows)(

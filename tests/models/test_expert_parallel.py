@@ -18,7 +18,8 @@ from rljax.models import expert_parallel as ep
 E, D, F, K, N = 8, 16, 32, 2, 64
 RULES = (sharding.Rule(r"experts/(gate|up)$", rank=3, tensor_dim=-1, expert_dim=-3),
          sharding.Rule(r"experts/down$", rank=3, tensor_dim=-2, expert_dim=-3))
-MESHES = {"expert4_data2": dict(data=2, fsdp=1, expert=4), "expert2_fsdp2_tensor2": dict(data=1, fsdp=2, expert=2, tensor=2)}
+MESHES = {"expert4_data2": dict(data=2, fsdp=1, expert=4),
+          "expert2_fsdp2_tensor2": dict(data=1, fsdp=2, expert=2, tensor=2)}
 
 
 def swiglu_rows(x_rd, expert_r, valid_r, w):
@@ -120,7 +121,8 @@ def test_real_update_step_on_an_expert_mesh_equals_one_device():
 
     cfg = preset("qwen2-test").replace(model_type="qwen3_moe", qkv_bias=False, qk_norm=True,
                                        moe=MoEConfig(num_experts=8, top_k=2, expert_size=32, norm_topk_prob=True))
-    state = init_train_state(cfg, init_params(cfg, jax.random.key(0), std=0.2), AlgorithmConfig(algorithm="grpo", kl_coef=0.1),
+    algo = AlgorithmConfig(algorithm="grpo", kl_coef=0.1)
+    state = init_train_state(cfg, init_params(cfg, jax.random.key(0), std=0.2), algo,
                              OptimConfig(learning_rate=1e-3, eps=1e-4))  # eps: see test_layout's update_reference
     state = state.replace(ref_params=init_params(cfg, jax.random.key(7), std=0.2))
     host_state, batch = jax.tree.map(np.asarray, state), _rl_batch()
@@ -129,7 +131,8 @@ def test_real_update_step_on_an_expert_mesh_equals_one_device():
     layout = sharding.trainer_layout(sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=2, expert=2, tensor=2)))
     state_sh, batch_sh = layout.tree(host_state), layout.batch(batch)
     assert state_sh.params["layers"]["expert_gate"].spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
-    step = jax.jit(update, in_shardings=(state_sh, batch_sh, layout.replicated), out_shardings=(state_sh, layout.replicated))
+    step = jax.jit(update, in_shardings=(state_sh, batch_sh, layout.replicated),
+                   out_shardings=(state_sh, layout.replicated))
     placed = jax.device_put(host_state, state_sh)
     with jax.set_mesh(layout.mesh):
         compiled = step.lower(placed, batch, jax.random.key(3)).compile()
