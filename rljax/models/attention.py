@@ -197,6 +197,37 @@ def attention(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConf
 # flops per row, small next to the projections at these lengths; the gradients are bitwise equal.
 attention_recomputed = jax.checkpoint(attention, static_argnums=(6,))
 
+# Rows longer than this attend in query chunks of this many (`attention_query_chunked`).
+QUERY_CHUNK = 2048
+
+
+def attention_query_chunked(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig, q_seg_bt=None,
+                            k_seg_bs=None, chunk: int = QUERY_CHUNK):
+    """`attention_recomputed` over chunks of `chunk` queries in a `lax.map` (each against every
+    key), so a layer holds [B, K, G, chunk, S] scores, never [T, T], forward or backward (each
+    chunk rematerialised): the reference for long rows. Each query's softmax is over the same
+    keys, so the values are the unchunked reference's. Queries are zero-padded to a whole chunk
+    (their outputs dropped)."""
+    b, t = q_btnh.shape[:2]
+    pad = (-t) % chunk
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(b, -1, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    xs = (split(q_btnh), split(q_pos_bt)) + (() if q_seg_bt is None else (split(q_seg_bt),))
+    run = lambda x: attention_recomputed(x[0], k_bskh, v_bskh, x[1], k_pos_bs, window, cfg,
+                                         x[2] if len(x) > 2 else None, k_seg_bs)
+    out = jax.lax.map(run, xs)  # [n, B, chunk, N, H]
+    return out.swapaxes(0, 1).reshape(b, -1, *out.shape[3:])[:, :t]
+
+
+def reference_attention(q_btnh, *args, **kwargs):
+    """The reference path for a full sequence: `attention_recomputed`, in query chunks for rows
+    longer than `QUERY_CHUNK` (no [T, T] scores)."""
+    impl = attention_query_chunked if q_btnh.shape[1] > QUERY_CHUNK else attention_recomputed
+    return impl(q_btnh, *args, **kwargs)
+
 
 def cached_attention(q_btnh, k_cache, v_bksh, q_pos_bt, k_pos_bs, window, cfg: ModelConfig, key_layout="bkhs"):
     """`attention` over a KV cache that stores keys transposed, [B, K, H, S], and values as
@@ -320,14 +351,14 @@ def fresh_attention(impl: str, windows: tuple[int, ...], cfg: ModelConfig):
                 return cudnn_attention(q, k, v, rows["lengths_b"], window, cfg, segments_bt=rows["packed_bt"])
             if impl == "splash":
                 return splash_attention(q, k, v, rows["segments_bt"], window, cfg)
-            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window, cfg,
-                                        rows["packed_bt"], rows["packed_bt"])
+            return reference_attention(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window, cfg,
+                                       rows["packed_bt"], rows["packed_bt"])
         return run
 
     def attend(q, k, v, window_index, rows):
         if impl == "xla":  # the reference takes the window as data: one program for every layer
-            return attention_recomputed(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window_index, cfg,
-                                        rows["packed_bt"], rows["packed_bt"])
+            return reference_attention(q, k, v, rows["q_pos_bt"], rows["k_pos_bt"], window_index, cfg,
+                                       rows["packed_bt"], rows["packed_bt"])
         if len(distinct) == 1:
             return one(distinct[0])(q, k, v, rows)
         branch = jnp.searchsorted(jnp.asarray(distinct, jnp.int32), window_index)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models.config import ModelConfig
-from rljax.models.transformer import Params, hidden_states, output_embedding
+from rljax.models.transformer import Params, hidden_states, hidden_states_and_routes, output_embedding
 
 
 def logprobs_from_logits(logits_btv, targets_bt, temperature: float = 1.0, with_entropy: bool = False):
@@ -383,7 +383,7 @@ def token_top1(h_btd, w_vd, targets_bt, *, softcap: float | None = None, time_ch
 def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, positions_bt=None, *,
                    temperature: float = 1.0, with_entropy: bool = False, chunk_size: int | None = None,
                    vocab_chunk: int | None = None, remat: bool = False, unroll: bool = False, segment_ids_bt=None,
-                   return_hidden: bool = False, rope_cos_sin=None):
+                   return_hidden: bool = False, rope_cos_sin=None, routes_lbtk=None, return_routing: bool = False):
     """Log-prob of each token given its prefix, aligned with `tokens_bt`.
 
     Returns (logp_bt, entropy_bt or None), both [B, T] f32, and with `return_hidden` the final
@@ -394,9 +394,10 @@ def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=Non
     `remat`, `unroll` and `segment_ids_bt` (packed rows) go to `hidden_states`; in a packed row the
     first token of each segment is scored from the previous segment's last token (mask it out).
     `rope_cos_sin` (per-row tables: an image prompt's M-RoPE, `rljax.models.vlm`) goes there too.
+    MoE: `routes_lbtk` replays routes; `return_routing` appends the `MoEAux` (`hidden_states_and_routes`).
     """
-    h_btd, _ = hidden_states(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=remat, unroll=unroll,
-                             segment_ids_bt=segment_ids_bt, rope_cos_sin=rope_cos_sin)
+    h_btd, aux = hidden_states_and_routes(cfg, params, tokens_bt, positions_bt, attn_mask_bt, routes_lbtk=routes_lbtk,
+                                          remat=remat, unroll=unroll, segment_ids_bt=segment_ids_bt, rope_cos_sin=rope_cos_sin)
     targets_bt = tokens_bt[:, 1:]
     chunks = auto_chunk_size(*targets_bt.shape, cfg.vocab_size, time_chunk=chunk_size)
     logp, ent = fused_logprobs(h_btd[:, :-1], output_embedding(cfg, params), targets_bt, temperature=temperature,
@@ -406,7 +407,7 @@ def token_logprobs(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=Non
     logp = jnp.concatenate([zero, logp], axis=1)
     if ent is not None:
         ent = jnp.concatenate([zero, ent], axis=1)
-    return (logp, ent, h_btd) if return_hidden else (logp, ent)
+    return (logp, ent) + ((h_btd,) if return_hidden else ()) + ((aux,) if return_routing else ())
 
 
 def teacher_scores(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt=None, *, chunk_size: int | None = None,

@@ -18,6 +18,7 @@ from rljax.models.auxiliary import FrozenModel, check_vocabulary
 from rljax.models.config import ModelConfig
 from rljax.models.gguf import is_gguf, load_gguf, read_gguf_config
 from rljax.models.hf_io import load_hf, read_hf_config
+from rljax.models.moe_config import MoEConfig
 from rljax.models.packaged import resolve_checkpoint
 from rljax.models.transformer import init_params
 from rljax.storage import copy_locally_hint, is_remote
@@ -40,6 +41,10 @@ class ModelSection:
     `chars:<alphabet>` for a character tokenizer (tiny from-scratch jobs). `attention` picks the
     full-sequence attention (training, scoring, prefill) and `decode_attention` the decode steps'
     ("auto": the backend's fused kernel where it serves the model; docs/api/models.md).
+    A from-scratch model with `num_experts` > 0 is Qwen3-MoE-shaped: every layer's MLP routes
+    each token to `num_experts_per_tok` experts of width `moe_intermediate_size` (default
+    `intermediate_size`), with q/k norms and renormalised top-k gates. `moe_impl` picks how an MoE
+    model's experts run, checkpoint or not (docs/moe.md).
     """
 
     checkpoint: str | None = None
@@ -55,6 +60,10 @@ class ModelSection:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
     decode_attention: Literal["auto", "xla", "pallas"] = "auto"
+    num_experts: int = bounded(0, ge=0)
+    num_experts_per_tok: int = bounded(2, ge=1)
+    moe_intermediate_size: int | None = bounded(None, ge=1)
+    moe_impl: Literal["auto", "grouped", "dense"] = "auto"
 
     def __post_init__(self):
         if self.checkpoint is None and self.tokenizer is None:
@@ -91,8 +100,22 @@ def policy_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
     if section.checkpoint:
         path = resolve_checkpoint(section.checkpoint)
         read = read_gguf_config if is_gguf(path) else read_hf_config
-        return read(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
-                    attention=section.attention, decode_attention=section.decode_attention)
+        return with_moe_impl(read(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                                  attention=section.attention, decode_attention=section.decode_attention), section)
+    if section.num_experts:
+        moe = MoEConfig(num_experts=section.num_experts, top_k=section.num_experts_per_tok, norm_topk_prob=True,
+                        expert_size=section.moe_intermediate_size or section.intermediate_size, impl=section.moe_impl)
+        return dataclasses.replace(_scratch_config(section, tokenizer), model_type="qwen3_moe", moe=moe,
+                                   qkv_bias=False, qk_norm=True)
+    return _scratch_config(section, tokenizer)
+
+
+def with_moe_impl(cfg: ModelConfig, section: ModelSection) -> ModelConfig:
+    """`cfg` with the section's `moe_impl` (an MoE model's; a dense model is unchanged)."""
+    return cfg if cfg.moe is None else cfg.replace(moe=cfg.moe.replace(impl=section.moe_impl))
+
+
+def _scratch_config(section: ModelSection, tokenizer: Tokenizer) -> ModelConfig:
     return ModelConfig(
         model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=section.hidden_size,
         intermediate_size=section.intermediate_size, num_layers=section.num_layers,
@@ -116,8 +139,9 @@ def build_policy(section: ModelSection, tokenizer: Tokenizer, key: jax.Array,
     if section.checkpoint:
         path = resolve_checkpoint(section.checkpoint)
         load = load_gguf if is_gguf(path) else load_hf
-        return load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
-                    shardings=shardings, attention=section.attention, decode_attention=section.decode_attention)
+        loaded, params = load(path, param_dtype=section.param_dtype, compute_dtype=section.compute_dtype,
+                              shardings=shardings, attention=section.attention, decode_attention=section.decode_attention)
+        return with_moe_impl(loaded, section), params
     return cfg, init_params(cfg, key, shardings=shardings)
 
 

@@ -38,8 +38,8 @@ from rljax.models.attention import (align_rows, cached_attention, decode_attenti
 from rljax.models.config import ModelConfig
 from rljax.models.context_parallel import CONTEXT_AXIS, context_attention, context_mesh, padded_length, unzigzag, zigzag
 from rljax.models.layers import block, embed_tokens, is_adapted, rms_norm, rope_tables
-from rljax.models.remat import remat_layer
 from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp
+from rljax.models.remat import remat_layer
 
 Params = dict[str, Any]
 Cache = dict[str, Any]
@@ -244,16 +244,18 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
 
 
 def hidden_states_and_routes(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None, *,
-                             routes_lbtk=None, remat=False, unroll: bool = False, segment_ids_bt=None):
-    """The cache-free `hidden_states` of an MoE model together with its routing: (h_btd,
-    `rljax.models.moe.MoEAux` stacked over layers, [L, B, T, ...]). `routes_lbtk` (int [L, B, T, k],
+                             routes_lbtk=None, remat=False, unroll: bool = False, segment_ids_bt=None,
+                             rope_cos_sin=None):
+    """The cache-free `hidden_states` (the same computation) together with an MoE model's routing:
+    (h_btd, `rljax.models.moe.MoEAux` stacked over layers, [L, B, T, ...], or None for a dense
+    model). `rope_cos_sin`: see `hidden_states`. `routes_lbtk` (int [L, B, T, k],
     e.g. the sampler's record) replays those routes: every layer computes each token with the
     recorded experts, gated by its own router's probabilities at them (routing replay)."""
     b, t = tokens_bt.shape
     attn_mask_bt = jnp.ones((b, t), bool) if attn_mask_bt is None else attn_mask_bt.astype(bool)
     positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt
     h, _, aux = _full_sequence(cfg, params, tokens_bt, positions_bt.astype(jnp.int32), attn_mask_bt, remat=remat,
-                               unroll=unroll, rope_cos_sin=None, return_kv=False, segment_ids_bt=segment_ids_bt,
+                               unroll=unroll, rope_cos_sin=rope_cos_sin, return_kv=False, segment_ids_bt=segment_ids_bt,
                                routes_lbtk=None if routes_lbtk is None else routes_lbtk.astype(jnp.int32))
     return h, aux
 

@@ -118,6 +118,10 @@ class AlgorithmConfig:
     `distill_discount` is reverse_kl's gamma over later tokens (0: each token its own grade),
     `distill_beta` GJSD's beta (0: forward KL, 1: reverse KL).
 
+    An MoE policy (`rljax.models.moe_losses`): `router_aux_coef` weighs the load-balancing loss
+    (Switch Transformer; transformers' `load_balancing_loss_func`), `router_z_coef` the router
+    z-loss (ST-MoE, Zoph et al., 2022); both are added to the update's loss (0: off) and logged.
+
     The update schedule and compile switches live in `rljax.update.UpdateConfig`, reward shaping
     in `rljax.objectives.shaping.RewardShaping`.
     """
@@ -163,6 +167,8 @@ class AlgorithmConfig:
     off_policy_high: float | None = bounded(None, gt=0)
     off_policy_mean: str = "geometric"
     off_policy_kl_coef: float = bounded(0.1, ge=0)
+    router_aux_coef: float = bounded(0.0, ge=0)
+    router_z_coef: float = bounded(0.0, ge=0)
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:

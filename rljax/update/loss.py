@@ -24,6 +24,7 @@ from rljax.objectives.registry import DISTILLATION, POLICY_LOSSES
 from rljax.objectives.rollout_correction import mask_kl_penalty
 from rljax.update.batch import PreparedBatch, state_values
 from rljax.update.config import UpdateConfig
+from rljax.update.moe_terms import router_terms
 from rljax.update.packing import Slab
 
 sg = jax.lax.stop_gradient
@@ -74,8 +75,14 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         lp_chunks = update_cfg.chunk_for(b, t, cfg.vocab_size)
         logp, ent, *h_s = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
                                          chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
-                                         unroll=update_cfg.layers_unrolled(), return_hidden=distill_loss)
+                                         unroll=update_cfg.layers_unrolled(), return_hidden=distill_loss,
+                                         return_routing=cfg.moe is not None)
+        routing = h_s.pop() if cfg.moe is not None else None
     else:
+        if cfg.moe is not None and (algo.router_aux_coef or algo.router_z_coef):
+            raise ConfigError("algorithm.router_aux_coef / router_z_coef read the router of whole rows, which "
+                              "packed micro-batches do not return yet: set update.packing=false")
+        routing = None
         lp_chunks = update_cfg.chunk_for(slab.buffers, slab.plan.pack_length, cfg.vocab_size)
         logp, ent, v_bt = slab.scores(cfg, params, value_params if algo.uses_values else None, batch.tokens_bt,
                                       batch.attn_mask_bt, with_entropy=with_entropy, chunks=lp_chunks,
@@ -138,6 +145,10 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         total = total + algo.distill_coef * num_d / den
         pairs["loss/distill"] = (sg(num_d), loss_den)
         pairs["distill/gjsd"] = (msum(jsd_bt), n_tok)
+    if routing is not None:  # an MoE policy: router losses and routing metrics (`rljax.update.moe_terms`)
+        router_loss, router_pairs = router_terms(routing, batch.attn_mask_bt, cfg, algo, share)
+        total = total + router_loss
+        pairs.update(router_pairs)
     if algo.uses_values:
         if v_bt is None:
             v_bt = state_values(cfg, value_params, batch.tokens_bt, batch.attn_mask_bt, remat=update_cfg.remat,

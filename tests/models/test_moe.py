@@ -258,3 +258,22 @@ def test_inspect_shows_experts_and_active_parameters(moe_ckpt, capsys):
     assert fields["parameters"] == f"{total:,}"
     assert fields["active parameters"] == f"{total - idle:,}"
     assert fields["experts"] == "4 per layer, 2 active per token"
+
+
+def test_model_section_builds_a_moe_policy(moe_ckpt):
+    """`[model] num_experts = n` random-inits a Qwen3-MoE-shaped policy (experts of
+    `moe_intermediate_size`, renormalised top-k, q/k norms); `moe_impl` reaches a checkpoint's
+    MoE config too, and a dense section stays dense."""
+    from rljax.models.setup import ModelSection, policy_config
+    from rljax.tokenizers import load as load_tokenizer
+
+    family, path, _, _, _ = moe_ckpt
+    if family != "qwen3_moe":
+        pytest.skip("checked once")
+    tok = load_tokenizer("chars:0123456789+-= ")
+    cfg = policy_config(ModelSection(tokenizer="chars:0123456789+-= ", num_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=64, moe_impl="dense"), tok)
+    assert (cfg.model_type, cfg.qk_norm, cfg.qkv_bias) == ("qwen3_moe", True, False)
+    assert cfg.moe == MoEConfig(num_experts=8, top_k=2, expert_size=64, norm_topk_prob=True, impl="dense")
+    assert policy_config(ModelSection(tokenizer="chars:0123456789+-= "), tok).moe is None
+    assert policy_config(ModelSection(checkpoint=str(path), moe_impl="dense"), tok).moe.impl == "dense"
