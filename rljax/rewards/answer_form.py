@@ -10,8 +10,9 @@ checks run before any equivalence is asked:
   so is a statement ("the difference of 39 and 67 is -28").
 - `parse_value`: the one value a span holds: a sign, ASCII digits (thousands commas, decimals), a
   fraction ``a/b`` or ``\\frac{a}{b}``, an optional ``%`` (never a rescaling: ``25%`` equals 25, not
-  0.25, so a policy cannot hedge between the two) and unit words around it, compared exactly as a
-  `Fraction`. It returns None when the span holds no value, several ("5 or 6", "1 2 3 ... 200"),
+  0.25, so a policy cannot hedge between the two) and at most `MAX_WORDS` unit words around it
+  ("a concept that has nothing to do with the number 0" is prose, not the answer 0), compared
+  exactly as a `Fraction`. It returns None when the span holds no value, several ("5 or 6", "1 2 3 ... 200"),
   or an unevaluated operation ("39 - 67", "7 \\times 8", "2^{10}"; "10/2" when the gold is a whole
   number). Digits outside ASCII ("５６", "٥٦", "𝟓𝟔") are not digits of an answer.
 - `restates`, `echoes`: the prediction repeats an operation (operands joined by an operator) or is
@@ -31,6 +32,7 @@ from fractions import Fraction
 MAX_ANSWER_CHARS = 500
 MAX_NESTING = 12
 MAX_DIGITS = 64  # longer numbers are not answers a verifier should spend time on
+MAX_WORDS = 3  # words beside a value ("42 apples", "about 42 km"); more is prose that mentions a number
 
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
 _TEX_FRACTION = re.compile(r"\\[dt]?frac\s*\{\s*([-+]?)\s*(" + _NUMBER + r")\s*\}\s*\{\s*(" + _NUMBER + r")\s*\}",
@@ -122,7 +124,7 @@ def parse_value(span: str, *, allow_fraction: bool = True) -> Fraction | None:
         negative = sign.group(1) == "-"
         text = text[:sign.start(1)] + text[sign.end(1):]
     rest = text.replace(_MARK, " ").replace("%", " ")
-    if _OPERATOR.search(rest) or re.search(r"\d", rest):
+    if _OPERATOR.search(rest) or re.search(r"\d", rest) or len(re.findall(r"[^\W\d_]+", rest)) > MAX_WORDS:
         return None
     return -atoms[0] if negative else atoms[0]
 

@@ -6,9 +6,11 @@ evaluation, using the same verifier, reported the hack as skill. An audit scores
 with a different, stricter check and is never weighted into the reward (`[reward] audit`, a
 weight-0 part named `AUDIT_PART`):
 
-- `LastNumber`: the completion's last number (ASCII digits, a sign that follows no operand,
-  thousands commas, decimals) equals the gold value exactly. A gold that is not a plain value
-  (an expression, a set) must equal the extracted answer's right-hand side as text, spaces aside.
+- `LastNumber`: the last number (ASCII digits, a sign that follows no operand, thousands commas,
+  decimals) of the answer span, extracted as the reward extracts it (`methods`), equals the gold
+  value exactly: the same span as the reward, judged by a blunter rule, so a disagreement is the
+  reward being lenient ("To calculate 39 - 67, ..." ends in 67). A gold that is not a plain value
+  (an expression, a set) must equal the span's right-hand side as text, spaces aside.
 - `GymExact`: the reasoning-gym task's own scorer gives full marks (its partial credit for
   containing the answer does not count).
 
@@ -43,20 +45,21 @@ def last_number(text: str) -> Fraction | None:
 
 @dataclasses.dataclass(frozen=True)
 class LastNumber:
-    """Audit: 1.0 when the completion's last number is exactly the gold value (see module doc)."""
+    """Audit: 1.0 when the answer span's last number is exactly the gold value (see module doc)."""
 
     answer_key: str = "answer"
+    methods: tuple[str, ...] = METHODS
     name: str = "last_number"
     time_limit_s: float | None = None
 
     def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
         gold = str(metadata[self.answer_key]).strip()
         value = value_of_gold(gold)
+        extracted = extract_answer(completion, self.methods)[0] or ""
         if value is None:
-            extracted, _ = extract_answer(completion, METHODS)
-            said = "".join(judged_part(extracted or "").split())
+            said = "".join(judged_part(extracted).split())
             return float(bool(said) and said == "".join(gold.split())), {}
-        last = last_number(completion)
+        last = last_number(extracted)
         return float(last is not None and last == value), {"last_number": None if last is None else str(last)}
 
 
@@ -78,9 +81,9 @@ class GymExact:
 AUDITS = {"last_number": LastNumber, "reasoning_gym": GymExact}
 
 
-def audit_verifier(kind: str):
-    """The audit checker named by `[reward] audit`."""
-    return AUDITS[kind]()
+def audit_verifier(kind: str, methods: tuple[str, ...] = METHODS):
+    """The audit checker named by `[reward] audit`, extracting the answer with the reward's `methods`."""
+    return AUDITS[kind](methods=methods)
 
 
 def audit_metrics(parts: Mapping[str, Any], correct: str = "correct") -> dict[str, Any]:

@@ -70,8 +70,8 @@ class RewardSection:
     (math): "value" wants one stated value when the gold is a plain value, "expression" keeps
     symbolic equivalence for simplify/factor/solve answers (`rljax.rewards.math_verify`); neither
     accepts the question restated. `audit`: a stricter second opinion scored beside the reward on
-    every rollout, never weighted into it: "last_number" (the completion's last number equals the
-    gold value exactly) or "reasoning_gym" (the task's own scorer, for reasoning-gym rows); logged
+    every rollout, never weighted into it: "last_number" (the last number of the answer, extracted
+    by `answer_methods`, equals the gold value exactly) or "reasoning_gym" (the task's own scorer, for reasoning-gym rows); logged
     as `reward/audit_agreement` and `eval/accuracy_strict` (`rljax.rewards.audit`). Length terms
     (DAPO's overlong punishment, a length cost) are applied on device by the `[shaping]` section
     (`rljax.objectives.shaping.RewardShaping`). `correct_weight` weighs the correctness part in the
@@ -185,5 +185,5 @@ def build_reward(section: RewardSection, sources: tuple = ()) -> rewards.RewardF
     if section.format_weight:
         terms["format"] = (section.format_weight, rewards.RegexFormat(section.format_pattern))
     if section.audit != "off":  # weight 0: scored and logged, never in the reward
-        terms[rewards.AUDIT_PART] = (0.0, rewards.audit_verifier(section.audit))
+        terms[rewards.AUDIT_PART] = (0.0, rewards.audit_verifier(section.audit, section.answer_methods))
     return rewards.compose(**terms)

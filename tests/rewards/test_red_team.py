@@ -39,6 +39,7 @@ MATH_ATTACKS = {
     # many candidates, two answers
     "many_numbers": ("What is 150 + 50?", "200", " ".join(str(i) for i in range(1, 201))),
     "two_answers": ("What is 2 + 3?", "5", "5 or 6"),
+    "prose_with_a_number": ("What is 0 * 0?", "0", "The answer is a concept that has nothing to do with the number 0"),
     "two_boxes": ("What is 2 + 3?", "5", r"\boxed{5} or maybe \boxed{6}"),
     # empty or nested boxes
     "empty_box": ("What is 2 + 3?", "5", r"\boxed{}"),
@@ -73,7 +74,8 @@ EXPRESSION_ATTACKS = {
 # (question, gold, completion): must score 1.
 MATH_LEGIT = [
     (Q_SUB, "-28", "-28"), (Q_SUB, "-28", "39 - 67 = -28"), (Q_SUB, "-28", "The answer is -28."),
-    (Q_SUB, "-28", "\u221228"), (Q_SUB, "-28", "The result of 39 - 67 is -28."), (Q_SUB, "-28", "39 - 67 equals -28"), (Q_SUB, "-28", r"\boxed{-28}"), (Q_SUB, "-28", "<answer>-28</answer>"),
+    (Q_SUB, "-28", "\u221228"), (Q_SUB, "-28", "The result of 39 - 67 is -28."),
+    (Q_SUB, "-28", "39 - 67 equals -28"), (Q_SUB, "-28", r"\boxed{-28}"), (Q_SUB, "-28", "<answer>-28</answer>"),
     (Q_SUB, "-28", "First 67 - 39 = 28, so\n#### -28"), (Q_MUL, "56", "x = 56"), (Q_MUL, "56", "$56$"),
     (Q_MUL, "56", "56.0"), ("What is 1000 + 234?", "1234", "1,234"), ("Half of 1?", "0.5", r"\frac{1}{2}"),
     ("Half of 1?", "1/2", "0.5"), ("What is 6 * 7 percent?", "42%", "42%"), ("How far?", "5", "5 km"),
