@@ -152,9 +152,10 @@ def default_positions(attn_mask_bt):
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None, attn_mask_bt=None,
                   cache: Cache | None = None, *, remat: bool = False, unroll: bool = False,
-                  rope_cos_sin=None, kv_attend=None, segment_ids_bt=None):
+                  rope_cos_sin=None, kv_attend=None, segment_ids_bt=None, return_routes: bool = False):
     """Final-normed hidden states [B, T, D] in the compute dtype and the updated cache (None
-    without one).
+    without one). With a cache, `return_routes` also returns an MoE model's routes of this chunk,
+    int32 [L, B, T, k] (what the sampler records for routing replay; `rljax.models.moe`).
 
     Mixed precision: the residual stream, norms, activations and every matmul's accumulator and
     result are f32; only matmul operands (and the KV cache) are in the compute dtype. The
@@ -225,7 +226,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     if kernel:
         start_b, end_b = valid_range(k_pos_bs, index + 1)
     layer_params = unstack_layers(params)["layers"]
-    new_layers = []
+    new_layers, routes = [], []
     for lp, lc, window in zip(layer_params, cache["layers"], windows):
         def attend(q, k, v, lc=lc, window=window):
             k, v = to_cache_layout(cfg, k, v)
@@ -237,9 +238,12 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
                 out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
                                        cfg, layout)
             return out, {"k": ck, "v": cv}
-        h, lc_new, _ = block(h, lp, attend, rope_btih, cfg, layer_mlp(cfg))
+        h, lc_new, aux = block(h, lp, attend, rope_btih, cfg, layer_mlp(cfg))
         new_layers.append(lc_new)
+        routes.append(None if aux is None else aux.routes_btk)
     new_cache = {"layers": tuple(new_layers), "pos": k_pos_bs, "index": index + t}
+    if return_routes:
+        return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache, jnp.stack(routes)
     return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache
 
 
