@@ -65,6 +65,7 @@ class StaticControls:
     batch_invariant: bool = False
     decode_phases: int = 1
     draw: str = "reference"
+    decode_chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,9 @@ class SampleControls:
       sampler and the trainer's log-prob function, six passes over the vocabulary) or "one_pass"
       (`rljax.sampling.one_pass`: the same law and log-probs in two passes); "auto" is one_pass on
       accelerators and reference on the CPU (`default_draw`). The random stream may differ.
+    decode_chunk: static loop only: decode in chunks of this many steps, testing "every row done"
+      once per chunk (0 or 1: every step). Same tokens; on a GPU it saves the per-step read of the
+      loop's predicate by the host. Off by default until a GPU measurement says where it pays.
     weight_dtype: "model" (the trainer's weights as they are) or "fp8": the sampler multiplies by
       the float8_e4m3fn round trip of each dense layer weight, per-output-channel scales, taken at
       each call, i.e. each weight sync (`rljax.sampling.fp8`; embedding and LM head unchanged).
@@ -141,6 +145,7 @@ class SampleControls:
     logits_processor: Callable | None = None
     draw: str = "auto"
     weight_dtype: str = "model"
+    decode_chunk: int = bounded(0, ge=0)
 
     def __post_init__(self):
         try:
@@ -153,7 +158,8 @@ class SampleControls:
                           slots=int(self.slots), max_total_tokens=int(self.max_total_tokens),
                           prefill_batch=int(self.prefill_batch), refill_batch=int(self.refill_batch),
                           page_size=int(self.page_size), batch_invariant=bool(self.batch_invariant),
-                          decode_phases=int(self.decode_phases))
+                          decode_phases=int(self.decode_phases),
+                          decode_chunk=int(self.decode_chunk))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
                               f"{err}") from None
@@ -165,7 +171,8 @@ class SampleControls:
             raise ConfigError(f"sampling: num_samples must be >= 1, got {self.num_samples}")
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"sampling: scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch", "decode_phases"):
+        for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch", "decode_phases",
+                     "decode_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
         self._check_kv_layout()
@@ -210,7 +217,8 @@ class SampleControls:
                               stop_sequences=self.stop_sequences, pad_id=self.pad_id or 0,
                               logits_processor=self.logits_processor, batch_invariant=self.batch_invariant,
                               decode_phases=self.decode_phases or default_decode_phases(),
-                              draw=default_draw() if self.draw == "auto" else self.draw)
+                              draw=default_draw() if self.draw == "auto" else self.draw,
+                              decode_chunk=self.decode_chunk)
 
     def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
         """(temperature, top_p, min_p) as traced values; greedy ignores them."""

@@ -321,6 +321,16 @@ def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticC
                       live_row_steps=s.live_row_steps + jnp.sum(~s.done_b, dtype=jnp.int32))
         return record(s, logits_bv, spec)
 
+    chunk = spec.decode_chunk
+    if chunk > 1:
+        # Whole chunks of `chunk` steps with a fixed trip count (no per-step predicate for the host
+        # to read: a GPU while loop copies it back every iteration), "every row done" tested once
+        # per chunk; rows that end inside a chunk record padding for its remaining steps, as they
+        # do while other rows run. The steps before `stop_at` that do not fill a chunk run one at
+        # a time (the loop below), so no step passes it. Same tokens and log-probs;
+        # `decode_steps` then counts the padding steps of a chunk too.
+        full = lambda s: (s.step + chunk <= stop_at) & ~jnp.all(s.done_b)
+        state = jax.lax.while_loop(full, lambda s: jax.lax.fori_loop(0, chunk, lambda _, x: body(x), s), state)
     return jax.lax.while_loop(cond, body, state)
 
 
