@@ -1,7 +1,7 @@
 """Issue 48's decode rows: `generate` at Qwen2.5-0.5B shapes (bf16, prompt 128 + 512 new, no EOS)
 against both floors, the bytes one (every weight once per step + the KV read) and the compute one
 (2 x matmul weights FLOPs per token at the measured bf16 peak); the one-pass draw against the
-reference draw; FP8 rollout weights (`sampling.weight_dtype = "fp8"`: emulated weight-only, so
+reference draw; the loop decoded in chunks of 16 steps (`sampling.decode_chunk`); FP8 rollout weights (`sampling.weight_dtype = "fp8"`: emulated weight-only, so
 the same bf16 bytes are read: it measures the round trip's cost, not an FP8 GEMM); and the long
 tail of `bench/longtail.py` (its imposed lengths, EOS forced, cap 1,024) static vs continuous.
 
@@ -21,6 +21,7 @@ from gpu.shapes import CompileCounter, decode_floor_bytes, hf_config, matmul_par
 DECODE_ROOFLINE_CASES = {
     "static-256": ("static", 256, {}, False),
     "static-256-refdraw": ("static", 256, {"draw": "reference"}, False),
+    "static-256-chunk16": ("static", 256, {"decode_chunk": 16}, False),
     "static-64-fp8": ("static", 64, {"weight_dtype": "fp8"}, False),
     "static-256-fp8": ("static", 256, {"weight_dtype": "fp8"}, False),
     "continuous-256": ("continuous", 256, {}, False),
