@@ -258,6 +258,9 @@ def hidden_states_and_routes(cfg: ModelConfig, params: Params, tokens_bt, positi
     b, t = tokens_bt.shape
     attn_mask_bt = jnp.ones((b, t), bool) if attn_mask_bt is None else attn_mask_bt.astype(bool)
     positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt
+    if cfg.moe is None and rope_cos_sin is None and (mesh := context_mesh()) is not None:  # context parallelism
+        return _context_sequence(cfg, params, mesh, tokens_bt, positions_bt.astype(jnp.int32), attn_mask_bt,
+                                 segment_ids_bt, remat=remat, unroll=unroll), None
     h, _, aux = _full_sequence(cfg, params, tokens_bt, positions_bt.astype(jnp.int32), attn_mask_bt, remat=remat,
                                unroll=unroll, rope_cos_sin=rope_cos_sin, return_kv=False, segment_ids_bt=segment_ids_bt,
                                routes_lbtk=None if routes_lbtk is None else routes_lbtk.astype(jnp.int32))
