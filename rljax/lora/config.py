@@ -49,6 +49,10 @@ TARGETS: tuple[Target, ...] = (
     Target("gate", "layers/gate", "mlp.gate_proj"),
     Target("up", "layers/up", "mlp.up_proj"),
     Target("down", "layers/down", "mlp.down_proj"),
+    # An MoE model's shared expert (Qwen2-MoE); its routed experts stay frozen (docs/moe.md).
+    Target("shared_gate", "layers/shared_gate", "mlp.shared_expert.gate_proj"),
+    Target("shared_up", "layers/shared_up", "mlp.shared_expert.up_proj"),
+    Target("shared_down", "layers/shared_down", "mlp.shared_expert.down_proj"),
     Target("lm_head", "lm_head", "lm_head", kind="head"),
 )
 TARGETS_BY_NAME = {t.name: t for t in TARGETS}
@@ -105,8 +109,12 @@ class LoraConfig:
 
 
 def model_targets(cfg: ModelConfig) -> tuple[Target, ...]:
-    """The weights this model has: no `lm_head` when the embedding is tied."""
-    return tuple(t for t in TARGETS if not (t.name == "lm_head" and cfg.tie_embeddings))
+    """The weights this model has: no `lm_head` when the embedding is tied; an MoE model has no
+    dense MLP (its experts are not LoRA targets) and a shared expert only where its family does."""
+    moe, shared = cfg.moe is not None, cfg.moe is not None and cfg.moe.shared_expert_size > 0
+    has = {"lm_head": not cfg.tie_embeddings, "gate": not moe, "up": not moe, "down": not moe,
+           "shared_gate": shared, "shared_up": shared, "shared_down": shared}
+    return tuple(t for t in TARGETS if has.get(t.name, True))
 
 
 def resolve_targets(lora: LoraConfig, cfg: ModelConfig) -> tuple[Target, ...]:
@@ -117,6 +125,8 @@ def resolve_targets(lora: LoraConfig, cfg: ModelConfig) -> tuple[Target, ...]:
     for pattern in lora.targets:
         hits = {t.name for t in have if any(re.fullmatch(pattern, n) for n in (t.name, t.path, t.hf_module,
                                                                                t.hf_module.split(".")[-1]))}
+        if not hits and cfg.moe is not None and pattern in ("gate", "up", "down"):
+            continue  # the default targets on an MoE model: its experts stay frozen, as PEFT leaves them
         if not hits:
             tied = " (its embedding is tied: there is no lm_head; target embed)" if cfg.tie_embeddings else ""
             raise ConfigError(f"lora.targets entry {pattern!r} matches no weight of this model{tied}; choose from "
