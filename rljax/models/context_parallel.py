@@ -15,10 +15,10 @@ leaves one plain block loop that needs no log-sum-exp from a kernel. A ring (ppe
 would overlap the transfer; the gathered keys are what a ring would stream anyway.
 
 The block loop (`block_attention`) is FlashAttention's online softmax (Dao et al., 2022;
-Milakov & Gimelshein, 2018) over a static schedule of (query chunk, key chunk) pairs, each step
-rematerialised in the backward pass, so no device ever holds more than one c x c block of scores
-per layer, and the loop's step count is static (2C + 1), so the SPMD program does exactly the
-blocks causality needs. Masks are the reference's (`rljax.models.attention.attention`): valid
+Milakov & Gimelshein, 2018) over a static schedule of (query chunk, key chunk) pairs, each
+block's keys walked in tiles of `KEY_TILE`, each step and tile rematerialised in the backward pass,
+so no device ever holds more than one [c, KEY_TILE] tile of scores per layer, and the loop's step
+count is static (2C + 1), so the SPMD program does exactly the blocks causality needs. Masks are the reference's (`rljax.models.attention.attention`): valid
 keys, k_pos <= q_pos, Gemma 2's windows, packed segments, and soft-capping before the mask. Every
 row, padded or packed, takes this path under a context axis: per-row lengths (cuDNN) and slot
 causality (splash) do not survive the zig-zag permutation, positions do.
@@ -44,6 +44,7 @@ from rljax.models.config import ModelConfig
 CONTEXT_AXIS = "context"
 ROW_AXES = ("data", "fsdp", "expert")  # axes a batch's rows may be split over, in mesh order
 _NEG = -1e30
+KEY_TILE = 1024  # keys per score tile inside a block: a tile holds [B, K, G, c, tile] scores
 
 
 def context_mesh():
@@ -58,8 +59,12 @@ def context_mesh():
 
 
 def padded_length(t: int, degree: int) -> int:
-    """T rounded up to a multiple of 2C (two chunks per device)."""
-    return -(-t // (2 * degree)) * (2 * degree)
+    """T rounded up to 2C chunks (two per device) of c slots, c a multiple of `KEY_TILE` when it
+    is longer (so a chunk splits into whole key tiles)."""
+    c = -(-t // (2 * degree))
+    if c > KEY_TILE:
+        c = -(-c // KEY_TILE) * KEY_TILE
+    return 2 * degree * c
 
 
 def chunk_owner(degree: int, layout: str = "zigzag") -> list[tuple[int, int]]:
@@ -109,8 +114,21 @@ def _key_offset(m, degree: int, c: int, layout: str = "zigzag"):
 
 
 def _block_step(carry, q_ckgh, k_cskh, v_cskh, qpos_c, kpos_s, qseg_c, kseg_s, window, cfg: ModelConfig):
-    """One online-softmax step of one query chunk against one key chunk: (running max m, sum l,
-    accumulator acc) updated with this block's masked scores."""
+    """One online-softmax step of one query chunk against one key chunk (`_tile_step`), over key
+    tiles of `KEY_TILE` (a `lax.scan`, each tile rematerialised) where the chunk is longer."""
+    c = k_cskh.shape[1]
+    if c <= KEY_TILE:
+        return _tile_step(carry, q_ckgh, k_cskh, v_cskh, qpos_c, kpos_s, qseg_c, kseg_s, window, cfg)
+    split = lambda x: x.reshape(x.shape[0], c // KEY_TILE, KEY_TILE, *x.shape[2:]).swapaxes(0, 1)
+    xs = (split(k_cskh), split(v_cskh), split(kpos_s)) + (() if kseg_s is None else (split(kseg_s),))
+    tile = jax.checkpoint(lambda st, x: (_tile_step(st, q_ckgh, x[0], x[1], qpos_c, x[2], qseg_c,
+                                                    x[3] if len(x) > 3 else None, window, cfg), None))
+    return jax.lax.scan(tile, carry, xs)[0]
+
+
+def _tile_step(carry, q_ckgh, k_cskh, v_cskh, qpos_c, kpos_s, qseg_c, kseg_s, window, cfg: ModelConfig):
+    """One online-softmax step of a query chunk against key tile k: (running max m, sum l,
+    accumulator acc) updated with this tile's masked scores."""
     m, l, acc = carry
     logits = jnp.einsum("btkgh,bskh->bkgts", q_ckgh, k_cskh, preferred_element_type=jnp.float32) * cfg.query_scale
     logits = softcap(logits, cfg.attn_logit_softcap)

@@ -79,7 +79,10 @@ def test_context_parallel_equals_one_device(mesh_name, case, monkeypatch):
     """Log-probs, entropies, loss and every gradient equal one device within 1e-5 (f32), with the
     params FSDP/tensor-sharded and the compiled program really all-gathering over `context`.
     A block schedule that skips a needed key chunk, a zig-zag offset off by a chunk, a dropped
-    segment or window mask, or soft-capping after the mask fails it."""
+    segment or window mask, or soft-capping after the mask fails it. The packed case also walks
+    each block in key tiles (KEY_TILE = 8), as long rows do."""
+    if case == "packed":
+        monkeypatch.setattr(cp, "KEY_TILE", 8)
     cfg, tokens, mask, seg = _case(case)
     params = M.init_params(cfg, jax.random.key(1), std=0.2)  # large enough that attention matters
     fn = jax.value_and_grad(lambda p: _loss(cfg, p, tokens, mask, seg), has_aux=True)
