@@ -8,7 +8,7 @@ scores, infos = reward.batch([{"answer": "1/2"}], ["<think>…</think><answer>\\
 """
 
 from rljax.rewards.answer_form import parse_value, restates
-from rljax.rewards.audit import AUDIT_PART, GymExact, LastNumber, audit_metrics, audit_verifier
+from rljax.rewards.audit import AUDIT_PART, ExactValue, GymExact, LastNumber, audit_metrics, audit_verifier
 from rljax.rewards.base import (
     FunctionVerifier,
     Part,
@@ -29,7 +29,7 @@ from rljax.rewards.sandbox import ProgramRun, SandboxLimits, run_code, run_progr
 from rljax.rewards.shaping import RegexFormat, TagFormat, TargetLength
 
 __all__ = [
-    "AUDIT_PART", "CodeTests", "FunctionVerifier", "GymExact", "LastNumber", "audit_metrics", "audit_verifier",
+    "AUDIT_PART", "CodeTests", "ExactValue", "FunctionVerifier", "GymExact", "LastNumber", "audit_metrics", "audit_verifier",
     "parse_value", "restates", "MathAnswer", "Outcome", "Part", "ProgramRun",
     "ReasoningGymAnswer", "RegexFormat", "RewardCallback", "RewardFn", "Rewards", "RoutedVerifier", "SandboxLimits",
     "TASK_KEY",

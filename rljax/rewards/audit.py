@@ -11,6 +11,12 @@ weight-0 part named `AUDIT_PART`):
   value exactly: the same span as the reward, judged by a blunter rule, so a disagreement is the
   reward being lenient ("To calculate 39 - 67, ..." ends in 67). A gold that is not a plain value
   (an expression, a set) must equal the span's right-hand side as text, spaces aside.
+- `ExactValue`: the answer span's final statement (what follows its last ``=`` or "is", as the
+  reward judges it) is a bare number (sign, ASCII digits, thousands commas, decimals; a trailing
+  period aside) equal to the gold value: stricter than the value form, which allows unit words and
+  fractions, so its accuracy is a floor under the reward's. It refuses prose whose last number
+  happens to be the answer ("To calculate 0 * 6, you multiply 0 by itself,"), which `LastNumber`
+  counts.
 - `GymExact`: the reasoning-gym task's own scorer gives full marks (its partial credit for
   containing the answer does not count).
 
@@ -78,7 +84,28 @@ class GymExact:
         return float(extracted is not None and task_scorer(task)(extracted, entry) >= 1.0), {}
 
 
-AUDITS = {"last_number": LastNumber, "reasoning_gym": GymExact}
+_BARE_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactValue:
+    """Audit: 1.0 when the answer span's final statement is a bare number equal to the gold value."""
+
+    answer_key: str = "answer"
+    methods: tuple[str, ...] = METHODS
+    name: str = "exact_value"
+    time_limit_s: float | None = None
+
+    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
+        gold = str(metadata[self.answer_key]).strip()
+        said = judged_part(extract_answer(completion, self.methods)[0] or "").rstrip(".").strip().replace("\u2212", "-")
+        value = value_of_gold(gold)
+        if value is None:
+            return float(bool(said) and "".join(said.split()) == "".join(gold.split())), {}
+        return float(_BARE_NUMBER.fullmatch(said) is not None and Fraction(said.replace(",", "")) == value), {}
+
+
+AUDITS = {"exact": ExactValue, "last_number": LastNumber, "reasoning_gym": GymExact}
 
 
 def audit_verifier(kind: str, methods: tuple[str, ...] = METHODS):

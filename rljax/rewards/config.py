@@ -70,8 +70,9 @@ class RewardSection:
     (math): "value" wants one stated value when the gold is a plain value, "expression" keeps
     symbolic equivalence for simplify/factor/solve answers (`rljax.rewards.math_verify`); neither
     accepts the question restated. `audit`: a stricter second opinion scored beside the reward on
-    every rollout, never weighted into it: "last_number" (the last number of the answer, extracted
-    by `answer_methods`, equals the gold value exactly) or "reasoning_gym" (the task's own scorer, for reasoning-gym rows); logged
+    every rollout, never weighted into it: "exact" (the answer's final statement, extracted by
+    `answer_methods`, is a bare number equal to the gold), "last_number" (the answer's last number
+    equals the gold value) or "reasoning_gym" (the task's own scorer, for reasoning-gym rows); logged
     as `reward/audit_agreement` and `eval/accuracy_strict` (`rljax.rewards.audit`). Length terms
     (DAPO's overlong punishment, a length cost) are applied on device by the `[shaping]` section
     (`rljax.objectives.shaping.RewardShaping`). `correct_weight` weighs the correctness part in the
@@ -88,7 +89,7 @@ class RewardSection:
     time_limit_s: float = bounded(5.0, gt=0)
     inline: bool = False
     answer_form: Literal["value", "expression"] = "value"
-    audit: Literal["off", "last_number", "reasoning_gym"] = "off"
+    audit: Literal["off", "exact", "last_number", "reasoning_gym"] = "off"
 
     def __post_init__(self):
         if self.audit != "off" and self.kind == "code":

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rljax.errors import ConfigError
-from rljax.rewards import AUDIT_PART, GymExact, LastNumber, MathAnswer, audit_metrics, compose
+from rljax.rewards import AUDIT_PART, ExactValue, GymExact, LastNumber, MathAnswer, audit_metrics, compose
 from rljax.rewards.audit import last_number
 from rljax.rewards.config import RewardSection, build_reward
 
@@ -22,6 +22,17 @@ def test_last_number_reads_the_reply_as_a_person_would():
     """The last number, with a sign only where no operand precedes it: "39-67" ends in 67, not -67."""
     assert last_number("39-67") == 67 and last_number("x = -28") == -28 and last_number("1,234 apples") == 1234
     assert last_number("so 3.50.") == 3.5 and last_number("none") is None
+
+
+def test_exact_value_wants_a_bare_number_as_the_final_statement():
+    """The exact audit is stricter than the value form: prose whose last number is the answer, unit
+    words and fractions are refused; a bare number, after "=" or "is" or alone, is accepted."""
+    audit = ExactValue(methods=("final_line",))
+    refused = ["To calculate 0 * 6, you simply multiply 0 by itself,", "The number 0 is a concept", "0 apples",
+               "0/1", "39 - 0", "zero"]
+    assert [c for c in refused if audit({"answer": "0"}, c)[0] != 0.0] == []
+    assert [c for c in ["0", "x = 0", "The answer is 0.", "-0", "Well\n0"] if audit({"answer": "0"}, c)[0] != 1.0] == []
+    assert audit({"answer": "x^2+1"}, "y = x^2 + 1")[0] == 1.0 and audit({"answer": "x^2+1"}, "x^2+2")[0] == 0.0
 
 
 def test_audit_agreement_equals_numpy_count_on_a_fooled_batch():
@@ -50,10 +61,11 @@ def test_audit_agreement_equals_numpy_count_on_a_fooled_batch():
 def test_reward_section_adds_the_audit_as_a_weight_zero_part():
     """`[reward] audit` adds the named checker with weight 0; "off" adds nothing; a code reward,
     which has no final answer, refuses it in one line."""
-    fn = build_reward(RewardSection(kind="math", audit="last_number", inline=True))
+    fn = build_reward(RewardSection(kind="math", audit="last_number", inline=True, answer_methods=("boxed",)))
     assert fn.part_names == ("correct", AUDIT_PART)
     part = fn.parts[1]
-    assert part.weight == 0.0 and isinstance(part.verifier, LastNumber)
+    assert part.weight == 0.0 and isinstance(part.verifier, LastNumber) and part.verifier.methods == ("boxed",)
+    assert isinstance(build_reward(RewardSection(audit="exact")).parts[1].verifier, ExactValue)
     assert isinstance(build_reward(RewardSection(audit="reasoning_gym")).parts[1].verifier, GymExact)
     assert build_reward(RewardSection(kind="math")).part_names == ("correct",)
     with pytest.raises(ConfigError, match="reward.audit='last_number' checks a final answer"):
