@@ -10,10 +10,9 @@ from rljax.objectives import AlgorithmConfig
 
 
 @pytest.mark.parametrize("mode, kw", [
-    ("one_step_off", dict(off_policy="icepop", off_policy_low=0.9, off_policy_high=1.1)),
+    ("one_step_off", dict(off_policy="icepop", off_policy_low=0.9, off_policy_high=1.1, policy_loss="kl_cov",
+                          cov_ratio=0.2)),
     ("async", dict(off_policy="seq_reject", off_policy_mean="arithmetic")),
-    ("one_step_off", dict(off_policy="mask_kl", off_policy_low=0.9, off_policy_high=1.1,
-                          policy_loss="kl_cov", cov_ratio=0.2)),
 ])
 def test_corrections_and_controls_run_in_the_overlapped_modes(layouts, params, mode, kw):  # noqa: F811
     """Finite losses every step; from the second step (a batch sampled one version back) the

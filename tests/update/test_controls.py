@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_step import _batch, _state
 
-from rljax.objectives import AlgorithmConfig
+from rljax.objectives import PRESETS, AlgorithmConfig
 from rljax.update import UpdateConfig, prepare_batch, update_step
 from rljax.update.controls import token_controls
 
@@ -22,14 +22,13 @@ def _run(algo, sched, seed=0):
     return update_step(state, _batch(seed), jax.random.key(7))
 
 
-@pytest.mark.parametrize("kw", [dict(policy_loss="clip_cov", **WIDE),
-                                dict(policy_loss="kl_cov", cov_ratio=0.2, top_entropy_quantile=0.5)])
-def test_selection_scope_is_the_minibatch_whatever_the_microbatching(kw):
+def test_selection_scope_is_the_minibatch_whatever_the_microbatching():
     """1 and 4 micro-batches and packing select the same tokens and give the same update: every
-    mean, top-k, quantile and draw runs over the mini-batch (`rljax.update.controls`). Fails with
-    the selection inside `microbatch_loss` (per micro-batch, verl's scope): 4 micro-batches of 2
-    rows would each take max(int(ratio n), 1) of their own tokens, with their own means."""
-    algo = AlgorithmConfig(algorithm="grpo", **kw)
+    mean, random draw (Clip-Cov) and quantile (the entropy mask) runs over the mini-batch
+    (`rljax.update.controls`). Fails with the selection inside `microbatch_loss` (per
+    micro-batch, verl's scope): 4 micro-batches of 2 rows would each take max(int(ratio n), 1) of
+    their own tokens, with their own means, draws and quantiles."""
+    algo = AlgorithmConfig(algorithm="grpo", policy_loss="clip_cov", top_entropy_quantile=0.5, **WIDE)
     s1, m1 = _run(algo, UpdateConfig(num_microbatches=1))
     for sched in (UpdateConfig(num_microbatches=4), UpdateConfig(packing=True, max_tokens_per_microbatch=24)):
         s2, m2 = _run(algo, sched)
@@ -77,38 +76,38 @@ def test_adaptive_entropy_coefficient_is_carried_and_logged():
 NEW_KEYS = ("policy/", "entropy/coef", "loss/off_policy_kl", "train/is_zeroed_frac", "train/is_rejected_rows")
 
 
-@pytest.mark.parametrize("preset", ["grpo", "ppo", "gspo"])
-def test_presets_run_no_new_code_path_with_the_new_options_off(preset):
-    """With the new options at their defaults no new code path runs: no policy/..., entropy/coef
-    or correction metric, no entropy_coef in the state, no selection or mask in the batch; the
-    configs equal those with the off values spelled out. (Bitwise equality of every preset's
-    update with the code before issue 51 was checked once against that tree; see the issue's
-    report.) Fails if a default turned a control on (e.g. top_entropy_quantile < 1 or a cov loss)."""
-    kw = dict(kl_coef=0.01) if preset == "grpo" else {}
+def test_presets_run_no_new_code_path_with_the_new_options_off():
+    """With the new options at their defaults no new code path runs: every preset's config equals
+    the one with the off values spelled out and turns no control on; one update (grpo with a KL
+    term) has no policy/..., entropy/coef or correction metric and no entropy_coef in the state.
+    (Bitwise equality of every preset's update with the code before issue 51 was checked once
+    against that tree; see BENCHMARKS.md.) Fails if a default turned a control on (e.g.
+    top_entropy_quantile < 1 or a cov loss)."""
     off = dict(top_entropy_quantile=1.0, entropy_target=None, cov_ratio=0.01, off_policy_low=None,
                off_policy_high=None, off_policy_mean="geometric", off_policy_kl_coef=0.1)
-    algo = AlgorithmConfig(algorithm=preset, **kw)
-    assert algo == AlgorithmConfig(algorithm=preset, **kw, **off)
-    assert not algo.token_controls and not algo.adaptive_entropy and not algo.off_policy_kl
-    state, m = _run(algo, UpdateConfig(num_microbatches=2))
+    for preset in PRESETS:
+        algo = AlgorithmConfig(algorithm=preset)
+        assert algo == AlgorithmConfig(algorithm=preset, **off), preset
+        assert not algo.token_controls and not algo.adaptive_entropy and not algo.off_policy_kl, preset
+    state, m = _run(AlgorithmConfig(algorithm="grpo", kl_coef=0.01), UpdateConfig(num_microbatches=2))
     assert state.entropy_coef is None
     assert not [k for k in m if k.startswith(NEW_KEYS)]
 
 
-@pytest.mark.parametrize("kw", [dict(off_policy="icepop"), dict(off_policy="seq_reject", off_policy_mean="arithmetic"),
-                                dict(off_policy="mask_kl", off_policy_low=0.97, off_policy_high=1.03)])
-def test_corrections_run_with_packing_and_lora(kw):
-    """Each rollout correction runs through the packed update and under LoRA with finite metrics,
-    and the packed update equals the padded one (the corrections act in prepare_batch and on the
-    padded rows the loss reads). Fails if a correction's KL term or mask read packed buffers."""
+def test_mask_kl_packed_equals_padded_and_icepop_runs_under_lora():
+    """mask_kl (the correction with a loss term) gives the padded update's loss through the packed
+    update (its KL mask and sampler log-probs are read on the padded rows), and IcePop runs under
+    LoRA with finite metrics. (seq_reject and the overlapped drivers:
+    tests/drivers/test_stability_controls.py.) Fails if the KL term read packed buffers."""
     from rljax.lora import LoraConfig
-    algo = AlgorithmConfig(algorithm="grpo", recompute_old_logp=True, **kw)
-    s1, m1 = _run(algo, UpdateConfig())
-    s2, m2 = _run(algo, UpdateConfig(packing=True, max_tokens_per_microbatch=24))
-    np.testing.assert_allclose(float(m2["loss/policy"]), float(m1["loss/policy"]), rtol=1e-5, atol=1e-7)
-    assert float(m1["train/is_zeroed_frac"]) + float(m1["train/is_rejected_rows"]) >= 0
-    lora = _state(algo, update_cfg=UpdateConfig(), lora=LoraConfig(rank=4))
-    lora, m3 = update_step(lora, _batch(0), jax.random.key(7))
+    algo = AlgorithmConfig(algorithm="grpo", recompute_old_logp=True, off_policy="mask_kl", off_policy_low=0.97,
+                           off_policy_high=1.03)
+    _, m1 = _run(algo, UpdateConfig())
+    _, m2 = _run(algo, UpdateConfig(packing=True, max_tokens_per_microbatch=24))
+    assert float(m1["loss/off_policy_kl"]) > 0 and float(m1["train/is_zeroed_frac"]) > 0
+    for k in ("loss/policy", "loss/off_policy_kl"):
+        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-8, err_msg=k)
+    lora = _state(AlgorithmConfig(algorithm="grpo", recompute_old_logp=True, off_policy="icepop"),
+                  lora=LoraConfig(rank=4))
+    _, m3 = update_step(lora, _batch(0), jax.random.key(7))
     assert all(np.isfinite(float(v)) for v in m3.values())
-    if kw["off_policy"] == "mask_kl":
-        assert float(m1["loss/off_policy_kl"]) > 0 and float(m1["train/is_zeroed_frac"]) > 0
