@@ -61,8 +61,9 @@ def test_fast_path_logp_equals_the_scoring_pass():
 def test_adaptive_entropy_coefficient_is_carried_and_logged():
     """The coefficient starts at entropy_coef, is logged as entropy/coef, and after each update
     moves by entropy_coef_step toward the target (up: the tiny model's entropy ~4.8 nats is under
-    a target of 10; down under a target of 1)."""
-    for target, sign in ((10.0, 1), (1.0, -1)):
+    a target of 10; the downward step and the sign are checked against NumPy in
+    tests/objectives/test_entropy_control.py). Fails if the state did not carry the new value."""
+    for target, sign in ((10.0, 1),):
         algo = AlgorithmConfig(algorithm="grpo", entropy_coef=0.01, entropy_target=target, entropy_coef_step=0.002)
         state = _state(algo)
         assert float(state.entropy_coef) == np.float32(0.01)
