@@ -156,7 +156,12 @@ def write_outputs(run: dict, out_dir: str) -> tuple[str, str]:
 
 
 def selected(args) -> list[tuple[str, str | None, int]]:
-    return [p for p in PHASES if not args.only or p[0] in args.only or f"{p[0]}:{p[1]}" in args.only]
+    """The phases to run: all in PHASES' order, or those `--only` names, in the order it names them
+    (a short device budget measures what matters most first)."""
+    if not args.only:
+        return list(PHASES)
+    rank = lambda p: min(i for i, name in enumerate(args.only) if name in (p[0], f"{p[0]}:{p[1]}"))  # noqa: E731
+    return sorted((p for p in PHASES if p[0] in args.only or f"{p[0]}:{p[1]}" in args.only), key=rank)
 
 
 def main(argv=None):
