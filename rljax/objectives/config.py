@@ -157,8 +157,8 @@ class AlgorithmConfig:
     distill_discount: float = bounded(0.0, ge=0, le=1)
     distill_beta: float = bounded(0.5, ge=0, le=1)
     cov_ratio: float = bounded(0.01, gt=0, le=1)
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
+    clip_cov_lb: float = bounded(1.0)  # any real: a covariance bound
+    clip_cov_ub: float = bounded(5.0)
     kl_cov_coef: float = bounded(1.0, ge=0)
     top_entropy_quantile: float = bounded(1.0, gt=0, le=1)
     entropy_target: float | None = bounded(None, ge=0)
