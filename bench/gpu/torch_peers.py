@@ -30,7 +30,7 @@ def _liger_loss(device: str, completion: int):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except ImportError as e:
         return None, f"liger_kernel is not installed ({e}); carry its wheel (pip download liger-kernel --no-deps)"
-    return LigerFusedLinearGRPOLoss(beta=0.0, epsilon_low=CLIP_EPS, epsilon_high=CLIP_EPS, loss_type="dr_grpo",
+    return LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=CLIP_EPS, epsilon_high=CLIP_EPS, loss_type="dr_grpo",
                                     max_completion_length=completion, temperature=1.0), None
 
 

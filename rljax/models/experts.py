@@ -60,11 +60,23 @@ def resolve_experts_impl(moe_impl: str, backend: str | None = None, *, every_exp
     if moe_impl not in ("auto", "grouped"):
         raise ConfigError(f"model.moe_impl={moe_impl!r}; choose one of auto, grouped, dense")
     backend = backend or jax.default_backend()
-    if backend == "gpu" or backend == "cuda":
+    if (backend == "gpu" or backend == "cuda") and _gpu_ragged_kernel():
         # Read when the program is lowered, so it is set globally (it changes ragged_dot on GPU only).
         jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
         return "ragged"
     return "megablox" if backend == "tpu" else "blocks"
+
+
+def _gpu_ragged_kernel() -> bool:
+    """Whether this jax ships the Pallas Triton lowering of ragged_dot that its flag turns on: jax
+    0.11.2 has the flag but not the module (lowering fails with ModuleNotFoundError), and without it
+    ragged_dot on a GPU is the masked dense matmul, so the sorted blocks serve instead."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax._src.lax.pallas_lowerings") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def experts_apply(x_td, expert_ids_tk, gates_tk, weights: ExpertWeights, *, impl: str, activation: str = "silu",
