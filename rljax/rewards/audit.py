@@ -50,23 +50,49 @@ def last_number(text: str) -> Fraction | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class LastNumber:
-    """Audit: 1.0 when the answer span's last number is exactly the gold value (see module doc)."""
+class _ValueAudit:
+    """An audit of the answer span the reward extracts (`methods`) against ``metadata[answer_key]``:
+    a gold that is not a plain value must equal the span's final statement as text, spaces aside;
+    a plain-value gold goes to `judge(span, value)`."""
 
     answer_key: str = "answer"
     methods: tuple[str, ...] = METHODS
-    name: str = "last_number"
     time_limit_s: float | None = None
 
     def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
         gold = str(metadata[self.answer_key]).strip()
+        span = extract_answer(completion, self.methods)[0] or ""
         value = value_of_gold(gold)
-        extracted = extract_answer(completion, self.methods)[0] or ""
         if value is None:
-            said = "".join(judged_part(extracted).split())
+            said = "".join(judged_part(span).split())
             return float(bool(said) and said == "".join(gold.split())), {}
-        last = last_number(extracted)
-        return float(last is not None and last == value), {"last_number": None if last is None else str(last)}
+        return float(self.judge(span, value)), {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LastNumber(_ValueAudit):
+    """Audit: 1.0 when the answer span's last number is exactly the gold value (see module doc)."""
+
+    name: str = "last_number"
+
+    @staticmethod
+    def judge(span: str, value: Fraction) -> bool:
+        return last_number(span) == value
+
+
+_BARE_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactValue(_ValueAudit):
+    """Audit: 1.0 when the answer span's final statement is a bare number equal to the gold value."""
+
+    name: str = "exact_value"
+
+    @staticmethod
+    def judge(span: str, value: Fraction) -> bool:
+        said = judged_part(span).rstrip(".").strip().replace("\u2212", "-")
+        return _BARE_NUMBER.fullmatch(said) is not None and Fraction(said.replace(",", "")) == value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,27 +108,6 @@ class GymExact:
         task = metadata.get("task") or entry["metadata"]["source_dataset"]
         extracted, _ = extract_answer(completion, self.methods)
         return float(extracted is not None and task_scorer(task)(extracted, entry) >= 1.0), {}
-
-
-_BARE_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
-
-
-@dataclasses.dataclass(frozen=True)
-class ExactValue:
-    """Audit: 1.0 when the answer span's final statement is a bare number equal to the gold value."""
-
-    answer_key: str = "answer"
-    methods: tuple[str, ...] = METHODS
-    name: str = "exact_value"
-    time_limit_s: float | None = None
-
-    def __call__(self, metadata: Mapping[str, Any], completion: str) -> tuple[float, dict]:
-        gold = str(metadata[self.answer_key]).strip()
-        said = judged_part(extract_answer(completion, self.methods)[0] or "").rstrip(".").strip().replace("\u2212", "-")
-        value = value_of_gold(gold)
-        if value is None:
-            return float(bool(said) and "".join(said.split()) == "".join(gold.split())), {}
-        return float(_BARE_NUMBER.fullmatch(said) is not None and Fraction(said.replace(",", "")) == value), {}
 
 
 AUDITS = {"exact": ExactValue, "last_number": LastNumber, "reasoning_gym": GymExact}
