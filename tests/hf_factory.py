@@ -27,12 +27,19 @@ FAMILIES = {
 def make_checkpoint(family: str, path, seed: int = 0):
     """Saves a random-init model of `family` to `path`; biases and norms are randomised too."""
     torch.manual_seed(seed)
-    cfg = FAMILIES[family]()
+    return save_random_model(FAMILIES[family](), path)
+
+
+def save_random_model(cfg, path, adjust=None):
+    """A random-init causal LM of HF config `cfg` (eager attention) with norms and biases
+    randomised too, then `adjust(name, param)` per parameter when given, saved to `path`."""
     cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if adjust is not None:
+                adjust(name, p)
     model.save_pretrained(path)
     return model

@@ -14,6 +14,7 @@ import transformers
 from safetensors.numpy import save_file
 
 import rljax.models as M
+from hf_factory import save_random_model
 from rljax.errors import CheckpointError
 from rljax.models.experts import ExpertWeights, experts_apply
 from rljax.models.moe import moe_mlp
@@ -40,18 +41,12 @@ FAMILIES = {
 def make_moe_checkpoint(family: str, path, seed: int = 0):
     """A random-init MoE model saved to `path`: norms and biases randomised, and the routers drawn
     at unit scale per logit (the HF init's are near zero, so top-k would be decided by ties)."""
+    def unit_router(name, p):
+        if name.endswith("mlp.gate.weight"):
+            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5 * 4)
+
     torch.manual_seed(seed)
-    cfg = FAMILIES[family]()
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5 * 4)
-    model.save_pretrained(path)
-    return model
+    return save_random_model(FAMILIES[family](), path, unit_router)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import rljax.models as M
+from hf_factory import save_random_model
 from rljax.models.config import from_hf_dict, rope_attention_scale, rope_inv_freq, to_hf_dict
 
 ORIGINAL = 16  # the "pretrained" window; the test sequences run to 3x past it
@@ -21,14 +22,7 @@ def _yarn_qwen2(tmp_path, **rope):
         num_key_value_heads=2, max_position_embeddings=4 * ORIGINAL, tie_word_embeddings=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": ORIGINAL, **rope})
-    hf_cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    return model
+    return save_random_model(hf_cfg, tmp_path)
 
 
 @pytest.mark.parametrize("rope", [{}, {"beta_fast": 8.0, "beta_slow": 2.0, "attention_factor": 1.3}],
