@@ -38,7 +38,8 @@ from rljax.sampling.filters import Filters, make_filters
 SCHEDULERS = ("static", "continuous")
 KV_LAYOUTS = ("slots", "paged")
 DRAWS = ("auto", "reference", "one_pass")
-WEIGHT_DTYPES = ("model", "fp8")
+WEIGHT_DTYPES = ("model", "fp8", "fp8_w8a8")
+KV_DTYPES = ("model", "fp8")
 DECODE_PHASES_CPU = 3  # widths N/4, N/2, N: within 3% of doubling from 16's attention read (BENCHMARKS.md)
 
 
@@ -66,6 +67,7 @@ class StaticControls:
     decode_phases: int = 1
     draw: str = "reference"
     decode_chunk: int = 0
+    kv_dtype: str = "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,13 @@ class SampleControls:
       the float8_e4m3fn round trip of each dense layer weight, per-output-channel scales, taken at
       each call, i.e. each weight sync (`rljax.sampling.fp8`; embedding and LM head unchanged).
       The trainer is unchanged: correct the mismatch with token-level TIS (docs/api/sampling.md).
+      "fp8_w8a8": the real FP8 matmul: the sampler holds the layer weights as float8_e4m3fn with
+      per-output-channel scales (half the bytes) and multiplies them with per-row FP8 activations
+      (`rljax.models.fp8.Fp8Weight`), an FP8 GEMM on Hopper. "fp8" stays the emulated weight-only form.
+    kv_dtype: "model" (the KV cache in the compute dtype) or "fp8": keys and values stored as
+      float8_e4m3fn with one f32 scale per (row, kv head, slot), quantised where written and
+      dequantised where attention reads them (`rljax.models.fp8`): about half the cache bytes.
+      Static scheduler only.
 
     Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
     """
@@ -146,6 +155,7 @@ class SampleControls:
     draw: str = "auto"
     weight_dtype: str = "model"
     decode_chunk: int = bounded(0, ge=0)
+    kv_dtype: str = "model"
 
     def __post_init__(self):
         try:
@@ -181,6 +191,11 @@ class SampleControls:
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"sampling: weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
                               f"got {self.weight_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"sampling: kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype != "model" and self.scheduler != "static":
+            raise ConfigError(f"sampling: kv_dtype={self.kv_dtype!r} (an FP8 KV cache) is built by the static scheduler "
+                              f"only; set scheduler = \"static\" or kv_dtype = \"model\"")
         if self.logits_processor is not None and not callable(self.logits_processor):
             raise ConfigError("sampling: logits_processor must be a function fn(logits_bv, row_b, step_b) -> logits_bv")
         if any(not s for s in self.stop_sequences):
@@ -218,7 +233,7 @@ class SampleControls:
                               logits_processor=self.logits_processor, batch_invariant=self.batch_invariant,
                               decode_phases=self.decode_phases or default_decode_phases(),
                               draw=default_draw() if self.draw == "auto" else self.draw,
-                              decode_chunk=self.decode_chunk)
+                              decode_chunk=self.decode_chunk, kv_dtype=self.kv_dtype)
 
     def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
         """(temperature, top_p, min_p) as traced values; greedy ignores them."""

@@ -9,14 +9,20 @@ Per-channel rather than per-tensor: a channel's error is then relative to its ow
 which is what a column of the output sees. The scales apply to the matmul's output (y_c = scale_c
 * sum_i x_i Q_ic), so a kernel can multiply FP8 operands and scale after.
 
-Which FP8 path. XLA's FP8 GEMM rewrite on Hopper wants both operands in FP8 with scalar scales
-(W8A8: a per-tensor activation scale too, and the per-channel weight scales on the output). This
-module is the weight-only form: the sampler holds W~ in the compute dtype (`fp8_sampler_params`),
-so every backend, the CPU included, runs the same arithmetic as an FP8 weight kernel that
-dequantises inside (the tests emulate FP8 by casting). It reproduces the rollout *mismatch* that
-FP8 sampling causes, which is what the trainer has to correct; it does not yet move fewer weight
-bytes on a GPU (that needs the FP8 operands kept in the matmul: the next step). The trainer stays
-in its own dtypes.
+Which FP8 path. XLA's FP8 GEMM rewrite on Hopper wants both operands in FP8 (W8A8), so there
+are two forms, one `SampleControls.weight_dtype` value each:
+
+- "fp8": weight-only, emulated. The sampler holds W~ in the compute dtype (`fp8_sampler_params`),
+  so every backend runs the arithmetic of an FP8 weight kernel that dequantises inside. It
+  reproduces the rollout mismatch of FP8 weights but moves bf16 bytes: no faster.
+- "fp8_w8a8": the real FP8 matmul. The sampler holds `rljax.models.fp8.Fp8Weight`s (e4m3 values,
+  f32 channel scales: half the weight bytes) and quantises each activation row at each call; the
+  dot's operands are both float8_e4m3fn (`Fp8Weight.project`), what a Hopper GPU runs as an FP8
+  GEMM. It adds the activations' rounding to the weights', so its mismatch is larger.
+
+A separate `fp8_matmul` switch beside weight_dtype would leave combinations that mean nothing
+(W8A8 of model-dtype weights); one value per recipe keeps the choice in one field. The trainer
+stays in its own dtypes.
 
 The embedding and the LM head stay in their dtype (vLLM's default for FP8 checkpoints: the head
 decides the log-probs, and quantising it adds most of the mismatch for the least bandwidth at
@@ -29,39 +35,51 @@ The mismatch shows in `update/logp_diff_*`; correct it with token-level TIS (doc
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-E4M3_MAX = 448.0
+from rljax.models.fp8 import E4M3_MAX, Fp8Weight, dequantize_fp8, quantize_fp8
+
+__all__ = ["E4M3_MAX", "LAYER_WEIGHTS", "dequantize_fp8", "quantize_fp8", "fp8_sampler_params",
+           "w8a8_sampler_params", "sampler_params"]
+
 # Stacked layer weights [L, ...] and the axes each contracts over (its input axes): the rest are
 # output channels, each with its own scale.
 LAYER_WEIGHTS = {"q": (1,), "k": (1,), "v": (1,), "o": (1, 2), "gate": (1,), "up": (1,), "down": (1,)}
-
-
-def quantize_fp8(w, in_axes: tuple[int, ...]):
-    """(q float8_e4m3fn, scale f32 broadcastable to w): per-output-channel scales over `in_axes`."""
-    w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=in_axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q = jnp.clip(w32 / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8(q, scale, dtype):
-    """Q * scale in `dtype`."""
-    return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def fp8_sampler_params(params):
     """The sampler's copy of `params` with every dense layer weight (`LAYER_WEIGHTS`, stacked or
     already split per layer) replaced by its FP8 round trip, in its own dtype; everything else
     (embedding, LM head, norms, biases) is the trainer's."""
+    return _map_layer_weights(params, lambda w, axes: dequantize_fp8(*quantize_fp8(w, axes), w.dtype))
+
+
+def w8a8_sampler_params(params):
+    """The sampler's W8A8 copy of `params` (`weight_dtype = "fp8_w8a8"`): every dense layer weight
+    (`LAYER_WEIGHTS`) replaced by an `Fp8Weight` (float8_e4m3fn values and f32 per-output-channel
+    scales: about half the bytes of bf16), which `rljax.models.layers.project` multiplies as an FP8
+    x FP8 matmul with per-row activation scales (`rljax.models.fp8`). Embedding, LM head, norms
+    and biases are the trainer's."""
+    return _map_layer_weights(params, Fp8Weight.quantize)
+
+
+def sampler_params(params, weight_dtype: str):
+    """The weights the sampler multiplies by for `SampleControls.weight_dtype` (traceable)."""
+    if weight_dtype == "fp8":
+        return fp8_sampler_params(params)
+    if weight_dtype == "fp8_w8a8":
+        return w8a8_sampler_params(params)
+    return params
+
+
+def _map_layer_weights(params, fn):
+    """`params` with fn(w, input axes) applied to each `LAYER_WEIGHTS` weight, stacked [L, ...] or
+    already split per layer."""
     layers = params["layers"]
 
     def round_trip(name, w, stacked: bool):
         if name not in LAYER_WEIGHTS or not hasattr(w, "dtype"):
             return w
-        axes = LAYER_WEIGHTS[name] if stacked else tuple(a - 1 for a in LAYER_WEIGHTS[name])
-        return dequantize_fp8(*quantize_fp8(w, axes), w.dtype)
+        return fn(w, LAYER_WEIGHTS[name] if stacked else tuple(a - 1 for a in LAYER_WEIGHTS[name]))
 
     if isinstance(layers, dict):
         new_layers = {name: round_trip(name, w, True) for name, w in layers.items()}
@@ -71,3 +89,4 @@ def fp8_sampler_params(params):
 
 
 fp8_sampler_params_jit = jax.jit(fp8_sampler_params)
+sampler_params_jit = jax.jit(sampler_params, static_argnames=("weight_dtype",))

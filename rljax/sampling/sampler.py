@@ -38,7 +38,7 @@ from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling import paged as PG
 from rljax.sampling.controls import SampleControls, StaticControls
-from rljax.sampling.fp8 import fp8_sampler_params_jit
+from rljax.sampling.fp8 import sampler_params_jit
 from rljax.sharding import rules
 from rljax.sharding.rules import batch_axes
 from rljax.tokenizers import check_token_ids
@@ -96,6 +96,8 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, ke
         tokens, mask = jax.device_put((tokens, mask), split)
     # Per-layer weights, split once per call: each jitted phase would otherwise copy them out of the
     # stacked arrays again.
+    if controls.weight_dtype != "model":  # as `generate`
+        params = sampler_params_jit(params, weight_dtype=controls.weight_dtype)
     params = _unstack_jit(params)
     state = _prefill_jit(cfg, params, tokens, mask, key, np.int32(controls.max_new_tokens), controls.scalars(),
                          spec=spec, num_samples=controls.num_samples,
@@ -123,8 +125,8 @@ def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *,
     Returns a `SampleResult` with B * num_samples rows, prompt-major.
     """
     spec = controls.static()
-    if controls.weight_dtype == "fp8":  # the sampler's FP8 copy of this call's weights (`rljax.sampling.fp8`)
-        params = fp8_sampler_params_jit(params)
+    if controls.weight_dtype != "model":  # the sampler's FP8 copy of this call's weights (`rljax.sampling.fp8`)
+        params = sampler_params_jit(params, weight_dtype=controls.weight_dtype)
     tokens, mask = pad_prompts(cfg, prompt_tokens_bt, prompt_mask_bt, spec.pad_id)
     tokens, mask, b = pad_prompt_count(tokens, mask, spec.pad_id)
     rows, width = b * controls.num_samples, controls.max_new_tokens

@@ -16,18 +16,17 @@ from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling import paged as PG
 from rljax.sampling.controls import SampleControls
-from rljax.sampling.fp8 import fp8_sampler_params
+from rljax.sampling.fp8 import sampler_params
 
 
 def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, controls: SampleControls
            ) -> D.SampleResult:
     """Traceable `generate`: B left-padded prompts -> B * n completions (rows prompt-major), with
-    the scheduler `controls.scheduler` names. `controls.weight_dtype == "fp8"` samples with the
-    FP8 round trip of the layer weights (`rljax.sampling.fp8`), taken here from the params given,
-    so every weight sync refreshes it."""
+    the scheduler `controls.scheduler` names. `controls.weight_dtype` "fp8" ("fp8_w8a8") samples
+    with the FP8 round trip (the FP8 copy) of the layer weights (`rljax.sampling.fp8`), taken here
+    from the params given, so every weight sync refreshes it."""
     spec = controls.static()
-    if controls.weight_dtype == "fp8":
-        params = fp8_sampler_params(params)
+    params = sampler_params(params, controls.weight_dtype)
     new_bucket = D.bucket_length(controls.max_new_tokens)
     if controls.scheduler == "continuous":
         b, p = prompt_tokens_bt.shape
