@@ -118,6 +118,18 @@ def audit_verifier(kind: str, methods: tuple[str, ...] = METHODS):
     return AUDITS[kind](methods=methods)
 
 
+def audit_disputed(parts: Mapping[str, Any], rows: int, correct: str = "correct"):
+    """bool [rows]: the rows the training reward calls correct and the audit does not (all False
+    without an audit part). The rollout's preview shows these first and the loop logs them to
+    ``samples.jsonl`` in any iteration that has one, so a falling agreement comes with the replies
+    behind it. Traceable."""
+    import jax.numpy as jnp
+
+    if AUDIT_PART not in parts or correct not in parts:
+        return jnp.zeros((rows,), bool)
+    return (parts[correct] >= 1.0) & (parts[AUDIT_PART] < 1.0)
+
+
 def audit_metrics(parts: Mapping[str, Any], correct: str = "correct") -> dict[str, Any]:
     """``reward/audit_agreement`` and ``reward/audit_rows`` (rows the reward calls correct) from a
     reward's parts; {} without an audit part. Traceable: the parts may be jax arrays."""

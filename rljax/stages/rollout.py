@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from rljax.data.filtering import dynamic_sample
+from rljax.errors import ConfigError
 from rljax.objectives.config import RolloutNeeds
-from rljax.rewards.audit import audit_metrics
+from rljax.rewards.audit import audit_disputed, audit_metrics
 from rljax.sampling import FINISH_LENGTH, SampleControls, SampleResult, sample
 from rljax.update import RolloutBatch
 
@@ -29,7 +30,10 @@ PREVIEW_ROWS = 4
 
 @flax.struct.dataclass
 class RolloutPreview:
-    """A few sampled rows for the sample log: one completion of each of the first k prompts."""
+    """A few sampled rows for the sample log: the rows the audit disputes first (the training
+    reward calls them correct, the audit does not: `rljax.rewards.audit.audit_disputed`), then one
+    completion of each of the first prompts. disputed_k: bool, which rows are disputed (the loop
+    logs the preview in any iteration that has one)."""
 
     prompt_tokens_kt: jax.Array
     prompt_mask_kt: jax.Array
@@ -38,6 +42,7 @@ class RolloutPreview:
     rewards_k: jax.Array
     reward_parts_k: dict[str, jax.Array]
     prompt_index_k: jax.Array
+    disputed_k: jax.Array | None = None
 
 
 def _repeat_rows(x, n):
@@ -60,7 +65,9 @@ def rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, cont
     P prompts are sampled (P > num_groups over-samples for dynamic sampling, DAPO 2025: groups
     whose rewards all agree are dropped, and missing groups are filled with masked copies).
     """
-    out = sample(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls)
+    # routing replay: the sampler records each token's experts (`SampleControls.record_routes`)
+    out = sample(cfg, params, prompt_tokens_pt, prompt_mask_pt, key,
+                 controls.replace(record_routes=True) if needs.routes else controls)
     return rollout_from_samples(cfg, params, out, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
                                 reward_callback=reward_callback, num_groups=num_groups, needs=needs,
                                 dynamic_sampling=dynamic_sampling)
@@ -98,6 +105,13 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
     completion_mask = take(out.mask) & _repeat_rows(valid_g, n)[:, None]
     zeros = jnp.zeros(prompt_mask.shape, out.logprobs.dtype)
     baseline = None if baseline_p is None else _repeat_rows(baseline_p[groups_g], n)
+    routes = None
+    if needs.routes:  # the routing record, aligned with the tokens: prompt (prefill) then completion
+        if out.routes is None or out.prompt_routes is None:
+            raise ConfigError("algorithm.routing_replay='rollout' needs the sampler's routing record, which these "
+                              "samples lack (sampled without SampleControls.record_routes, e.g. an interruptible "
+                              "rollout): set algorithm.routing_replay='off' or rl.partial_rollouts=false")
+        routes = jnp.concatenate([take(out.prompt_routes), take(out.routes)], axis=1)
     batch = RolloutBatch(
         tokens_bt=jnp.concatenate([prompt_tokens, take(out.tokens)], axis=1),
         attn_mask_bt=jnp.concatenate([prompt_mask, take(out.mask)], axis=1),
@@ -105,7 +119,8 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
         sampler_logp_bt=jnp.concatenate([zeros, take(out.logprobs)], axis=1),
         rewards_b=take(rewards.total_b), group_ids_b=jnp.repeat(jnp.arange(num_groups), n),
         completion_len=controls.max_new_tokens, baseline_rewards_b=baseline,
-        verifier_rewards_b=take(rewards.parts["correct"]) if "correct" in rewards.parts else None)
+        verifier_rewards_b=take(rewards.parts["correct"]) if "correct" in rewards.parts else None,
+        routes_btlk=routes)
     lengths = out.lengths.astype(jnp.float32)
     metrics.update({
         "rollout/reward_mean": jnp.mean(rewards.total_b),
@@ -122,11 +137,21 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
     })
     metrics.update({f"rollout/reward_{k}": jnp.mean(v) for k, v in rewards.parts.items()})
     metrics.update(audit_metrics(rewards.parts))
-    k = min(PREVIEW_ROWS, p)
-    first = jnp.arange(k) * n  # sample 0 of prompts 0..k-1
-    preview = RolloutPreview(prompt_tokens_kt=prompt_tokens_pt[:k], prompt_mask_kt=prompt_mask_pt[:k],
-                             completion_tokens_kc=out.tokens[first], completion_mask_kc=out.mask[first],
-                             rewards_k=rewards.total_b[first],
-                             reward_parts_k={name: v[first] for name, v in rewards.parts.items()},
-                             prompt_index_k=index_p[:k])
+    preview = rollout_preview(out, prompt_tokens_pt, prompt_mask_pt, index_p, rewards, n)
     return batch, metrics, preview
+
+
+def rollout_preview(out: SampleResult, prompt_tokens_pt, prompt_mask_pt, index_p, rewards, n: int) -> RolloutPreview:
+    """PREVIEW_ROWS rows of the P * n sampled: the audit's disputed rows in row order, then sample 0
+    of prompts 0, 1, ... (all of them sample 0 of the first prompts when nothing is disputed)."""
+    b = out.tokens.shape[0]
+    k = min(PREVIEW_ROWS, b // n)
+    disputed_b = audit_disputed(rewards.parts, b)
+    rank_b = jnp.where(disputed_b, 0, jnp.where(jnp.arange(b) % n == 0, 1, 2))
+    rows_k = jnp.argsort(rank_b, stable=True)[:k]
+    prompts_k = rows_k // n
+    return RolloutPreview(prompt_tokens_kt=prompt_tokens_pt[prompts_k], prompt_mask_kt=prompt_mask_pt[prompts_k],
+                          completion_tokens_kc=out.tokens[rows_k], completion_mask_kc=out.mask[rows_k],
+                          rewards_k=rewards.total_b[rows_k],
+                          reward_parts_k={name: v[rows_k] for name, v in rewards.parts.items()},
+                          prompt_index_k=index_p[prompts_k], disputed_k=disputed_b[rows_k])

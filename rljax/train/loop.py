@@ -7,7 +7,8 @@
         state = maybe_reset_reference(state, it)
         state, metrics, preview = driver.step(state, it)  # sample -> score -> update
         every eval.every:       greedy accuracy on the held-out split
-        every samples_every:    a few completions with their rewards
+        every samples_every:    a few completions with their rewards (and in any iteration whose
+                                preview holds a row the reward audit disputes)
         every checkpoint.every: async orbax save (`rljax.checkpoint.train_state`: the state and
                                 what the driver adds, its prompt source and any arrays)
 
@@ -79,7 +80,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
                     accuracy = metrics["eval/accuracy"]
                 metrics["time/compiles"] = compiles.take()  # programs this step compiled (0 once warm)
                 run.writer.write(step, metrics)
-                if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last):
+                if cfg.metrics.samples_every and (step % cfg.metrics.samples_every == 0 or last or disputed(preview)):
                     run.writer.write_samples(step, preview_samples(run, preview))
                 history.append({"step": step, **metrics})
                 progress.update(metrics)
@@ -106,6 +107,11 @@ def step_metrics(metrics, timings: dict[str, float]) -> dict[str, float]:
     out.update(timings)
     out["time/generated_tokens_per_s"] = out["rollout/tokens"] / timings["time/iteration_s"]  # whole iteration
     return out
+
+
+def disputed(preview) -> bool:
+    """Whether the preview holds a row the audit disputes (logged whatever `samples_every` says)."""
+    return preview.disputed_k is not None and bool(jax.device_get(preview.disputed_k).any())
 
 
 def preview_samples(run: Run, preview) -> list[SampleRecord]:

@@ -80,3 +80,37 @@ def test_gym_exact_gives_no_partial_credit():
     audit = GymExact()
     assert audit({"entry": entry}, entry["answer"])[0] == 1.0
     assert audit({"entry": entry}, f"x = {entry['answer']}")[0] == 0.0
+
+
+def test_preview_shows_the_rows_the_audit_disputes_first():
+    """The rollout's preview (what the loop writes to samples.jsonl) puts the disputed rows (reward
+    correct, audit not) first, in row order, flags them, and with nothing disputed is exactly
+    sample 0 of the first prompts, as before the audit. Fails if disputed rows were not preferred,
+    if a row the audit agrees with (or the reward refuses) were flagged, or if the prompt of a
+    disputed row were not its own (row // n)."""
+    from types import SimpleNamespace
+
+    from rljax.stages.rollout import PREVIEW_ROWS, rollout_preview
+
+    p, n = 6, 3
+    b = p * n
+    tokens = np.arange(b * 2, dtype=np.int32).reshape(b, 2)
+    out = SimpleNamespace(tokens=jax.numpy.asarray(tokens), mask=jax.numpy.ones((b, 2), bool))
+    prompts = jax.numpy.arange(p * 4, dtype=jax.numpy.int32).reshape(p, 4)
+    index_p = jax.numpy.arange(100, 100 + p)
+    correct, audit = np.zeros(b, np.float32), np.zeros(b, np.float32)
+    correct[[4, 7, 11, 13]] = 1.0  # the reward says right
+    audit[[7, 2]] = 1.0  # the audit agrees on 7 only (2: the audit alone, not disputed)
+    rewards = SimpleNamespace(total_b=jax.numpy.asarray(correct),
+                              parts={"correct": jax.numpy.asarray(correct), AUDIT_PART: jax.numpy.asarray(audit)})
+    got = jax.device_get(rollout_preview(out, prompts, jax.numpy.ones((p, 4), bool), index_p, rewards, n))
+    rows = [4, 11, 13, 0]  # the disputed rows in order, then sample 0 of prompt 0
+    assert PREVIEW_ROWS == 4
+    np.testing.assert_array_equal(got.completion_tokens_kc, tokens[rows])
+    np.testing.assert_array_equal(got.disputed_k, [True, True, True, False])
+    np.testing.assert_array_equal(got.prompt_index_k, [100 + r // n for r in rows])
+    np.testing.assert_array_equal(got.prompt_tokens_kt, np.asarray(prompts)[[r // n for r in rows]])
+    plain = jax.device_get(rollout_preview(out, prompts, jax.numpy.ones((p, 4), bool), index_p,
+                                           SimpleNamespace(total_b=rewards.total_b, parts={"correct": rewards.total_b}), n))
+    np.testing.assert_array_equal(plain.completion_tokens_kc, tokens[np.arange(4) * n])
+    assert not plain.disputed_k.any()
