@@ -83,7 +83,9 @@ def curve(name: str) -> dict:
         if r.get("eval/accuracy") is not None:
             per_task = {k.split("/")[1]: v for k, v in r.items()
                         if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2}
-            points.append({"step": r["step"], "samples": spent, "accuracy": r["eval/accuracy"], "per_task": per_task})
+            points.append({"step": r["step"], "samples": spent, "accuracy": r["eval/accuracy"], "per_task": per_task,
+                           # the audit's held-out accuracy on the same greedy replies (`[reward] audit`)
+                           **({"accuracy_strict": r["eval/accuracy_strict"]} if "eval/accuracy_strict" in r else {})})
     log = open(os.path.join(RUNS, f"{name}.log")).read().splitlines()
     notes = [x for x in log if x.startswith(("warm start stopped", "curriculum start"))]
     return {"evals": points, "log": notes}
@@ -111,10 +113,12 @@ def _header() -> dict:
 
 
 def tasks_part(args) -> None:
-    dest = os.path.join(RESULTS, "task_learning.json")
+    results = f"task_learning_{args.tag}.json" if args.tag else "task_learning.json"  # a variant: its own file
+    dest = os.path.join(RESULTS, results)
     out = json.load(open(dest)) if os.path.exists(dest) else {"runs": {}}
-    out.update(_header())
+    out.update(_header(), overrides=args.override)
     suffix = "" if args.seed == 0 else f"_seed{args.seed}"  # seed 0 keeps the names of earlier rounds
+    suffix += f"_{args.tag}" if args.tag else ""
     MINE.update(f"{task}{suffix}" for task in args.tasks)
     for task in args.tasks:
         row = out["runs"].setdefault(f"{task}{suffix}", {})
@@ -123,7 +127,7 @@ def tasks_part(args) -> None:
         if not args.collect_only and not args.control_only:
             row["rl"] = run(rl_name, f"learn_{task}", [f"seed={args.seed}", *args.override], args.nice)
             row["rl"].update(curve(rl_name))
-            _save("task_learning.json", out)
+            _save(results, out)
         if not args.collect_only and not args.skip_control:
             budget = row["rl"]["wall_s"] - args.control_overhead_s
             row["control_sft"] = run(control_name, f"learn_{task}",
@@ -141,14 +145,14 @@ def tasks_part(args) -> None:
             row["control_accuracy"] = row["control_sft"]["evals"][-1]["accuracy"]
             if "rl" in row:
                 row["rl_minus_control_points"] = round(100 * (row["after_rl"] - row["control_accuracy"]), 2)
-        _save("task_learning.json", out)
+        _save(results, out)
     median = {}
     for seed in sorted({r.get("seed", 0) for r in out["runs"].values()}):
         gains = sorted(r["rl_gain_points"] for r in out["runs"].values() if "rl_gain_points" in r and r.get("seed", 0) == seed)
         median[seed] = (gains[len(gains) // 2] + gains[(len(gains) - 1) // 2]) / 2 if gains else None
     out["median_rl_gain_points"] = median.get(0)
     out["median_rl_gain_points_by_seed"] = {str(k): v for k, v in median.items()}
-    _save("task_learning.json", out)
+    _save(results, out)
     print(json.dumps({t: {k: r.get(k) for k in ("before_rl", "after_rl", "rl_gain_points", "control_accuracy")}
                       for t, r in out["runs"].items()}, indent=1), "median gain by seed", median)
 
@@ -223,6 +227,7 @@ def main() -> None:
     ap.add_argument("--control-overhead-s", type=float, default=30.0,
                     help="the control's setup and evaluation time, taken off its warm-start budget")
     ap.add_argument("--nice", type=int, default=5)
+    ap.add_argument("--tag", default="", help="tasks: a variant's name; its rows go to task_learning_TAG.json")
     ap.add_argument("--collect-only", action="store_true", help="only summarise existing runs")
     ap.add_argument("--skip-control", action="store_true", help="tasks: the RL runs only")
     ap.add_argument("--control-only", action="store_true", help="tasks: the controls only (after the RL runs)")
