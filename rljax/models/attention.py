@@ -391,24 +391,29 @@ def _decode_split(slots: int) -> tuple[int, int, int]:
     return padded, splits, block
 
 
-def decode_attention(q_b1nh, k_bksh, v_bksh, start_b, end_b, cfg: ModelConfig, *, interpret: bool | None = None):
+def decode_attention(q_b1nh, k_bksh, v_bksh, start_b, end_b, cfg: ModelConfig, *, interpret: bool | None = None,
+                     k_scale=None, v_scale=None):
     """One decode step's attention through the project's Pallas GPU kernel
     (`rljax.models.decode_kernel`: key splits sized by the batch, the query group in one block,
     the finished f32 output written by the kernel when one split fills the GPU): the query of each
     row attends over its cache slots [start_b, end_b) (see `valid_range`); keys and values
     [B, K, S, H]. Returns f32 [B, 1, N, H] like `cached_attention`. JAX's stock kernel,
-    `decode_attention_stock`, is the reference it is tested against; `cached_attention` both's."""
+    `decode_attention_stock`, is the reference it is tested against; `cached_attention` both's.
+    `k_scale`, `v_scale` ([B, K, S, 1] f32): an FP8 cache (`rljax.models.fp8`), dequantised in the kernel."""
     from rljax.models.decode_kernel import split_decode_attention
 
     interpret = _interpret_here("gpu") if interpret is None else interpret
     b, _, n, h = q_b1nh.shape
     kh, s = k_bksh.shape[1], k_bksh.shape[2]
     padded = -(-s // 16) * 16
+    scales = () if k_scale is None else (k_scale[..., 0], v_scale[..., 0])  # [B, K, S]
     if padded != s:  # see `decode_attention_stock`
         pad = ((0, 0), (0, 0), (0, padded - s), (0, 0))
         k_bksh, v_bksh = jnp.pad(k_bksh, pad), jnp.pad(v_bksh, pad)
+        scales = tuple(jnp.pad(x, pad[:3]) for x in scales)
     out_bkgh = split_decode_attention(q_b1nh.reshape(b, kh, n // kh, h), k_bksh, v_bksh, start_b, end_b,
-                                      scale=float(cfg.query_scale), interpret=bool(interpret))
+                                      scale=float(cfg.query_scale), interpret=bool(interpret),
+                                      **dict(zip(("k_scale_bks", "v_scale_bks"), scales)))
     return out_bkgh.reshape(b, 1, n, h)
 
 

@@ -43,9 +43,14 @@ def key_splits(rows: int, kv_heads: int, slots: int) -> int:
     return min((s for s in fits if s >= want), default=max(fits))
 
 
-def _kernel(q_ref, k_ref, v_ref, start_ref, end_ref, *out_refs, scale: float, group: int, split_len: int,
-            block_k: int, normalize: bool):
+def _kernel(q_ref, k_ref, v_ref, *refs, scale: float, group: int, split_len: int, block_k: int, normalize: bool,
+            fp8: bool):
     from jax.experimental.pallas import triton as plgpu
+
+    if fp8:  # an FP8 cache: per-slot key and value scales, dequantised block by block below
+        ks_ref, vs_ref, start_ref, end_ref, *out_refs = refs
+    else:
+        start_ref, end_ref, *out_refs = refs
 
     j = pl.program_id(2)
     rows_h = (jnp.arange(_BLOCK_H) < group)[:, None]
@@ -58,13 +63,18 @@ def _kernel(q_ref, k_ref, v_ref, start_ref, end_ref, *out_refs, scale: float, gr
     def body(t, carry):
         o, m, l = carry
         keys = pl.ds(t * block_k, block_k)
-        s = plgpu.dot(q, k_ref[keys, :].T).astype(jnp.float32) * scale
+        k = k_ref[keys, :]
+        if fp8:
+            k = (k.astype(jnp.float32) * ks_ref[keys][:, None]).astype(q.dtype)
+        s = plgpu.dot(q, k.T).astype(jnp.float32) * scale
         idx = t * block_k + offsets
         s = jnp.where(((idx >= lo) & (idx < hi))[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         v = v_ref[keys, :]
+        if fp8:
+            v = (v.astype(jnp.float32) * vs_ref[keys][:, None]).astype(q.dtype)
         o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return o, m_new, corr * l + p.sum(axis=-1)
 
@@ -83,10 +93,12 @@ def _kernel(q_ref, k_ref, v_ref, start_ref, end_ref, *out_refs, scale: float, gr
 
 
 def split_decode_attention(q_bkgh, k_bksh, v_bksh, start_b, end_b, *, scale: float, splits: int | None = None,
-                           interpret: bool = False):
+                           interpret: bool = False, k_scale_bks=None, v_scale_bks=None):
     """Attention of each row's query group over its cache slots [start_b, end_b): q [B, K, G, H],
     keys and values [B, K, S, H] with S a multiple of 16 and H a power of two >= 16. Returns f32
-    [B, K, G, H]. `splits` defaults to `key_splits(B, K, S)`."""
+    [B, K, G, H]. `splits` defaults to `key_splits(B, K, S)`. With `k_scale_bks` and `v_scale_bks`
+    (f32 [B, K, S]) the keys and values are FP8 (`rljax.models.fp8`): each block is dequantised
+    in the kernel, x * scale rounded to q's dtype, before its dot."""
     b, kh, g, h = q_bkgh.shape
     s = k_bksh.shape[2]
     if g > _BLOCK_H:
@@ -95,14 +107,17 @@ def split_decode_attention(q_bkgh, k_bksh, v_bksh, start_b, end_b, *, scale: flo
     split_len = s // splits
     block_k = max(x for x in (16, 32, 64, 128) if split_len % x == 0)
     normalize = splits == 1
+    fp8 = k_scale_bks is not None
     kernel = functools.partial(_kernel, scale=scale, group=g, split_len=split_len, block_k=block_k,
-                               normalize=normalize)
+                               normalize=normalize, fp8=fp8)
     from jax.experimental.pallas import triton as plgpu
 
     row = pl.BlockSpec((None,), lambda i, k, j: (i,))
     in_specs = [pl.BlockSpec((None, None, _BLOCK_H, h), lambda i, k, j: (i, k, 0, 0)),
                 pl.BlockSpec((None, None, split_len, h), lambda i, k, j: (i, k, j, 0)),
-                pl.BlockSpec((None, None, split_len, h), lambda i, k, j: (i, k, j, 0)), row, row]
+                pl.BlockSpec((None, None, split_len, h), lambda i, k, j: (i, k, j, 0))]
+    scales = (k_scale_bks, v_scale_bks) if fp8 else ()
+    in_specs += [pl.BlockSpec((None, None, split_len), lambda i, k, j: (i, k, j))] * len(scales) + [row, row]
     if normalize:
         out_shape = [jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, _BLOCK_H, h), lambda i, k, j: (i, k, 0, 0))]
@@ -115,7 +130,7 @@ def split_decode_attention(q_bkgh, k_bksh, v_bksh, start_b, end_b, *, scale: flo
                      pl.BlockSpec((None, None, None, _BLOCK_H), lambda i, k, j: (i, k, j, 0))]
     outs = pl.pallas_call(kernel, grid=(b, kh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
-                          name="rljax_decode_attention")(q_bkgh, k_bksh, v_bksh, start_b.astype(jnp.int32),
+                          name="rljax_decode_attention")(q_bkgh, k_bksh, v_bksh, *scales, start_b.astype(jnp.int32),
                                                          end_b.astype(jnp.int32))
     if normalize:
         return outs[0]

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rljax.models.attention import cached_attention, decode_attention
+
 E4M3_MAX = 448.0
 KV_SCALES = {"k": "k_scale", "v": "v_scale"}  # a layer cache's FP8 buffers and their scales
 
@@ -102,12 +104,40 @@ def is_fp8_cache(layer_cache) -> bool:
     return KV_SCALES["k"] in layer_cache
 
 
-def quantize_cache_layers(layers, head_axes: dict[str, int]):
-    """Every layer cache {k, v} (compute dtype) as {k, v, k_scale, v_scale} in FP8; `head_axes`
-    names each buffer's head-dimension axis."""
+def head_axes(key_layout: str) -> dict[str, int]:
+    """The head-dimension axis of each cache buffer: keys [B, K, H, S] ("bkhs") or [B, K, S, H]."""
+    return {"k": 2 if key_layout == "bkhs" else 3, "v": 3}
+
+
+def quantize_cache_layers(layers, key_layout: str):
+    """Every layer cache {k, v} (compute dtype) as {k, v, k_scale, v_scale} in FP8 (`quantize_kv`)."""
+    axes = head_axes(key_layout)
+
     def one(lc):
         out = dict(lc)
         for name, scale_name in KV_SCALES.items():
-            out[name], out[scale_name] = quantize_kv(lc[name], head_axes[name])
+            out[name], out[scale_name] = quantize_kv(lc[name], axes[name])
         return out
     return tuple(one(lc) for lc in layers)
+
+
+def fp8_cache_attend(cfg, lc, q, k, v, write, slot_axes, key_layout, positions_bt, k_pos_bs, window,
+                     kernel_range=None):
+    """`rljax.models.transformer.hidden_states`' cached attention over an FP8 layer cache `lc`:
+    the new keys and values (in the cache layout) quantised per (row, kv head, slot) and written
+    with their scales at the cache's index, then attention over the dequantised cache: inside the
+    Pallas decode kernel when `kernel_range` = (start_b, end_b) is given, else `cached_attention`
+    on the cache dequantised to q's dtype. Returns (out f32, the new layer cache)."""
+    axes = head_axes(key_layout)
+    new = {}
+    for name, x in (("k", k), ("v", v)):
+        xq, xs = quantize_kv(x, axes[name])
+        new[name] = write(lc[name], xq, slot_axes[name])
+        new[KV_SCALES[name]] = write(lc[KV_SCALES[name]], xs, slot_axes[name])
+    if kernel_range is not None:
+        out = decode_attention(q, new["k"], new["v"], *kernel_range, cfg, k_scale=new["k_scale"],
+                               v_scale=new["v_scale"])
+    else:
+        ck, cv = (dequantize_kv(new[name], new[KV_SCALES[name]], q.dtype) for name in ("k", "v"))
+        out = cached_attention(q, ck, cv, positions_bt, k_pos_bs, window, cfg, key_layout)
+    return out, new

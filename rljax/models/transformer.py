@@ -37,6 +37,7 @@ from rljax.models.attention import (align_rows, cached_attention, decode_attenti
                                     softcap, valid_range)
 from rljax.models.config import ModelConfig
 from rljax.models.context_parallel import CONTEXT_AXIS, context_attention, context_mesh, padded_length, unzigzag, zigzag
+from rljax.models.fp8 import KV_SCALES, fp8_cache_attend, is_fp8_cache
 from rljax.models.layers import block, embed_tokens, is_adapted, rms_norm, rope_tables
 from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp
 from rljax.models.remat import remat_layer
@@ -132,8 +133,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
 
 
 def cache_slot_axes(cfg: ModelConfig) -> dict[str, int]:
-    """Slot axis of each cache buffer (for code that pads, slices or copies caches: the samplers)."""
-    return {"k": 3 if key_cache_layout(cfg) == "bkhs" else 2, "v": 2}
+    """Slot axis of each cache buffer (for code that pads, slices or copies caches: the samplers);
+    an FP8 cache's scales (`rljax.models.fp8`) share their buffer's."""
+    k = 3 if key_cache_layout(cfg) == "bkhs" else 2
+    return {"k": k, "v": 2, KV_SCALES["k"]: k, KV_SCALES["v"]: 2}
 
 
 def to_cache_layout(cfg: ModelConfig, k_btkh, v_btkh):
@@ -230,6 +233,9 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     for lp, lc, window in zip(layer_params, cache["layers"], windows):
         def attend(q, k, v, lc=lc, window=window):
             k, v = to_cache_layout(cfg, k, v)
+            if is_fp8_cache(lc):  # FP8 keys and values with per-slot scales (`rljax.models.fp8`)
+                return fp8_cache_attend(cfg, lc, q, k, v, write, axes, layout, positions_bt, k_pos_bs, window,
+                                        (start_b, end_b) if kernel else None)
             ck = write(lc["k"], k.astype(lc["k"].dtype), axes["k"])
             cv = write(lc["v"], v.astype(lc["v"].dtype), axes["v"])
             if kernel:

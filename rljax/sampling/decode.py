@@ -50,6 +50,8 @@ import numpy as np
 
 from rljax.models import ModelConfig, cache_slot_axes, forward, prefill_cache
 from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
+from rljax.models.attention import key_cache_layout
+from rljax.models.fp8 import quantize_cache_layers
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
 from rljax.sampling.one_pass import draw_one_pass
@@ -260,6 +262,8 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
     if prompt is None:
         prompt = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant)
     cache, logits_bv = prompt
+    if spec.kv_dtype == "fp8":  # the prompt's keys and values stored as FP8 (`rljax.models.fp8`)
+        cache = dict(cache, layers=quantize_cache_layers(cache["layers"], key_cache_layout(cfg)))
 
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
     cache = pad_slots(cfg, cache, decode_widths(spec, new_bucket)[0])  # the first phase
