@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
 from rljax.data.example import Example
 from rljax.data.templates import PromptFormat, PromptTokenizer, encode_prompts, pick_bucket
 from rljax.errors import ConfigError, DataError
+
+if TYPE_CHECKING:  # imported where a dataset is built: the compiled stages import this module without grain
+    import grain
 from rljax.tokenizers import pad_batch
 
 
@@ -79,6 +82,8 @@ def index_batches(num_examples: int, global_batch_size: int, *, seed: int, shuff
     `num_epochs=None` repeats forever. Each epoch drops its N mod B leftovers so every batch has
     the same static shape. Process defaults: `jax.process_index()/process_count()`.
     """
+    import grain
+
     if num_examples < 1:
         raise DataError("the training set is empty; check the data source and its filters")
     if global_batch_size < 1:

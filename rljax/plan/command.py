@@ -110,9 +110,9 @@ def _plan(args: argparse.Namespace) -> int:
         model_cfg = policy_config(cfg.model, tokenizer)
     named = args.accelerator or cfg.plan.accelerator
     limit = device_memory(named, cfg.plan.device_memory_gib) if (named or cfg.plan.device_memory_gib) else None
-    if cfg.update.remat == "auto":  # the mode `rljax train` would run (`rljax.plan.remat`), then its plan
-        from rljax.plan.remat import choose_remat
+    from rljax.plan.remat import choose_remat, needs_choice
 
+    if needs_choice(cfg):  # the mode (and micro-batches) `rljax train` would run (`rljax.plan.remat`), then its plan
         choice = choose_remat(cfg, model_cfg, tokenizer=tokenizer, limit=limit)
         print(choice.line())
         cfg = choice.cfg

@@ -89,9 +89,9 @@ def _check_memory(cfg) -> None:
     from rljax.plan.accelerators import device_memory
 
     limit = device_memory(cfg.plan.accelerator, cfg.plan.device_memory_gib) if cfg.plan.check else None
-    if cfg.update.remat == "auto" and cfg.plan.check:  # chooses from the plan (cached), refusing in one line when nothing fits
-        from rljax.plan.remat import choose_remat
+    from rljax.plan.remat import choose_remat, needs_choice
 
+    if needs_choice(cfg) and cfg.plan.check:  # chooses from the plan (cached), refusing in one line when nothing fits
         choose_remat(cfg, limit=limit)  # `build_run` takes the choice from the cache and logs it
         return
     if limit is not None:

@@ -32,7 +32,7 @@ from rljax.errors import CheckpointError
 from rljax.evaluation.runner import EvalSetup
 from rljax.lora.setup import build_lora
 from rljax.models.setup import build_policy, build_teacher, build_tokenizer
-from rljax.plan.remat import choose_remat
+from rljax.plan.remat import choose_remat, needs_choice
 from rljax.rewards.config import build_reward, build_reward_model
 from rljax.sampling import SampleControls
 from rljax.sharding import Layout, abstract_like
@@ -97,7 +97,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     tokenizer = build_tokenizer(cfg.model)
     model_cfg, params = build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
     lora, adapters = build_lora(cfg.lora, model_cfg)
-    if cfg.update.remat == "auto":  # the fastest remat mode the memory plan fits (cached per configuration)
+    if needs_choice(cfg):  # the fastest remat mode (and micro-batches) the memory plan fits (cached per configuration)
         choice = choose_remat(cfg, model_cfg, tokenizer=tokenizer)
         log(choice.line())
         cfg = choice.cfg

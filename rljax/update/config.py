@@ -42,11 +42,15 @@ class UpdateConfig:
     Padding-free (`rljax.update.packing`): `packing` packs each mini-batch's rows end to end into
     buffers of `pack_length` tokens (default: the row width) and accumulates micro-batches of
     `max_tokens_per_microbatch` tokens, as many as the rows fill; `num_microbatches` stays 1.
+    `num_microbatches = "auto"` is chosen with the remat mode before the update is built: the
+    fewest micro-batches (a divisor of the mini-batch rows) the memory plan fits with the fastest
+    mode (`rljax.plan.remat`; on a CPU, 1). It is "auto" only when set so: the default stays 1,
+    and a number set is kept whatever `remat` is.
     """
 
     num_epochs: int = bounded(1, ge=1)
     num_minibatches: int = bounded(1, ge=1)
-    num_microbatches: int = bounded(1, ge=1)
+    num_microbatches: int | Literal["auto"] = bounded(1, ge=1)
     remat: Literal["auto", "none", "selective", "full"] | bool = False
     unroll_layers: bool | None = None
     logprob_chunk: int | None = bounded(None, ge=1)
@@ -58,11 +62,14 @@ class UpdateConfig:
 
     def __post_init__(self):
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) != "auto" and getattr(self, name) < 1:
                 raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1")
         for name in ("logprob_chunk", "logprob_vocab_chunk"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1 (or unset: automatic)")
+        if self.packing and self.num_microbatches == "auto":
+            raise ConfigError("update.num_microbatches='auto' with update.packing: packed micro-batches are sized by "
+                              "tokens; set update.max_tokens_per_microbatch, or update.packing=false")
         if self.packing and self.num_microbatches > 1:
             raise ConfigError(f"update.num_microbatches={self.num_microbatches} with update.packing: packed "
                               "micro-batches are sized by tokens; set update.max_tokens_per_microbatch and leave "
@@ -103,5 +110,6 @@ class UpdateConfig:
 
     @property
     def chunks(self) -> int:
-        """Row blocks per batch: mini-batches x micro-batches (the batch size must divide by it)."""
-        return self.num_minibatches * self.num_microbatches
+        """Row blocks per batch: mini-batches x micro-batches (the batch size must divide by it);
+        an unresolved "auto" counts one (it picks a divisor of the mini-batch rows)."""
+        return self.num_minibatches * (1 if self.num_microbatches == "auto" else self.num_microbatches)

@@ -1,11 +1,16 @@
 """`update.remat = "auto"` (`rljax.plan.remat`): on simulated device-memory sizes it picks the
 fastest remat mode the plan fits, refuses in one line below full remat, keeps explicit settings,
-chooses "none" where no memory is known (a CPU), and a second start compiles nothing.
+chooses "none" where no memory is known (a CPU), and a second start compiles nothing. With
+`update.num_microbatches = "auto"` too, it picks the fewest micro-batches with the fastest mode,
+estimating before it compiles.
 
 The three plans (one per mode, of a 2-layer model on one device) are computed once per module and
-cached in a temporary file, as a run's choice is."""
+cached in a temporary file, as a run's choice is; the micro-batch tests reuse them or plan on a
+simulated planner (no compile)."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 
@@ -112,3 +117,102 @@ def test_explicit_setting_wins_and_cpu_picks_no_remat(planned, monkeypatch):
     cpu = choose_remat(cfg, tokenizer=tokenizer)  # the default [plan]: no size; a CPU device reports none
     assert cpu.mode == "none" and cpu.cfg.update.remat == "none" and "no device memory is known" in cpu.line()
     assert load_config("default", []).update.remat is False  # the default job is unchanged
+
+
+def test_auto_microbatches_reuse_the_cached_plan(planned, monkeypatch):
+    """num_microbatches="auto" where one micro-batch without remat fits: 1 and "none", from the
+    module's cached plans (compiling nothing), and the log line names both choices.
+    Catches: a cache keyed on the micro-batch setting (re-planning what is known), a choice that
+    does not start at one micro-batch."""
+    cfg, tokenizer, peaks = planned
+    monkeypatch.setattr("rljax.plan.memory.plan_memory", lambda *a, **k: pytest.fail("compiled a plan"))
+    choice = choose_remat(tiny("update.remat=auto", "update.num_microbatches=auto"), tokenizer=tokenizer,
+                          limit=(peaks["none"], "the test device"))
+    assert (choice.mode, choice.microbatches) == ("none", 1)
+    assert (choice.cfg.update.remat, choice.cfg.update.num_microbatches) == ("none", 1)
+    assert choice.line().startswith("update.remat=auto -> none, update.num_microbatches=auto -> 1: the fastest")
+    assert f"none/1 {format_gib(peaks['none'])}" in choice.line()
+
+
+# A simulated plan of the tiny recipe (16 rows): peak = 1000 + act[mode] * 16 / m bytes, 10 more
+# for m >= 4 (so the a + b/m estimate from m = 1, 2 is 10 short there and its plan must confirm it).
+ACT = {"none": 160, "selective": 80, "full": 20}
+
+
+def simulated_peak(mode: str, micro: int) -> int:
+    return 1000 + ACT[mode] * 16 // micro + (10 if micro >= 4 else 0)
+
+
+@pytest.fixture
+def simulated(tmp_path, monkeypatch):
+    """The plan replaced by `simulated_peak`; yields the list of (mode, micro-batches) planned."""
+    monkeypatch.setenv("RLJAX_PLAN_CACHE", str(tmp_path / "remat_plans.json"))
+    plan_remat._MEMO.clear()
+    compiled = []
+
+    def plan(cfg, *args, **kwargs):
+        compiled.append((cfg.update.remat, cfg.update.num_microbatches))
+        return types.SimpleNamespace(peak_bytes=simulated_peak(cfg.update.remat, cfg.update.num_microbatches),
+                                     sampler_peak_bytes=500, sampler=None)
+
+    monkeypatch.setattr("rljax.plan.memory.plan_memory", plan)
+    yield compiled
+    plan_remat._MEMO.clear()
+
+
+@pytest.mark.parametrize("limit, expected, compiled_expected", [
+    (3560, ("none", 1), [("none", 1)]),
+    (2000, ("none", 4), [("none", 1), ("none", 2), ("none", 4)]),
+    (1645, ("none", 8), [("none", 1), ("none", 2), ("none", 4), ("none", 8)]),  # the estimate admitted 4, its plan did not
+    (1200, ("none", 16), [("none", 1), ("none", 2), ("none", 16)]),
+    (1100, ("selective", 16), [("none", 1), ("none", 2), ("selective", 1), ("selective", 2), ("selective", 16)]),
+    (1060, ("full", 8), [("none", 1), ("none", 2), ("selective", 1), ("selective", 2), ("full", 1), ("full", 2),
+                         ("full", 8)]),
+])
+def test_auto_microbatches_follow_the_plan(simulated, limit, expected, compiled_expected):
+    """As the device shrinks: 1 micro-batch without remat, then more micro-batches, then selective,
+    then full remat, each with the fewest micro-batches that fit; only the candidates the a + b/m
+    estimate admits are planned (here at most 7 of 15), and one whose plan does not fit is passed.
+    Catches: micro-batches before remat in the wrong order (full/1 fits at 1645 and 1200), a
+    strict comparison, compiling every candidate, trusting an estimate without its plan (none/4
+    at 1645), an estimate that rules out what fits."""
+    cfg = tiny("update.remat=auto", "update.num_microbatches=auto")
+    choice = choose_remat(cfg, tokenizer=build_tokenizer(cfg.model), limit=(limit, "the test device"))
+    assert (choice.mode, choice.microbatches) == expected
+    assert (choice.cfg.update.remat, choice.cfg.update.num_microbatches) == expected
+    assert simulated == compiled_expected
+    line = choice.line()
+    assert line.startswith(f"update.remat=auto -> {expected[0]}, update.num_microbatches=auto -> {expected[1]}: ")
+    assert f"{expected[0]}/{expected[1]} {format_gib(simulated_peak(*expected))}" in line and "\n" not in line
+
+
+def test_auto_microbatches_refuse_below_every_schedule(simulated):
+    """Below full remat at one row per micro-batch nothing fits: one line naming the settings to
+    change. Catches: running the last candidate anyway, telling the user to raise a count that
+    auto already raised."""
+    cfg = tiny("update.remat=auto", "update.num_microbatches=auto")
+    with pytest.raises(ConfigError) as err:
+        choose_remat(cfg, tokenizer=build_tokenizer(cfg.model), limit=(1025, "the test device"))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("update.remat=auto, update.num_microbatches=auto: no schedule fits")
+    assert "sampling.max_new_tokens" in line and "mesh.fsdp" in line and "raise update.num_microbatches" not in line
+
+
+def test_explicit_microbatches_win(simulated):
+    """An explicit num_microbatches is kept while auto picks the mode (full at 4 here, where
+    auto micro-batches would pick none/16), and an explicit remat is kept while auto picks the
+    micro-batches; on a CPU (no memory known) auto micro-batches are 1. Catches: auto
+    overriding a set count or mode."""
+    tokenizer = build_tokenizer(tiny().model)
+    choice = choose_remat(tiny("update.remat=auto", "update.num_microbatches=4"), tokenizer=tokenizer,
+                          limit=(1200, "the test device"))
+    assert (choice.mode, choice.microbatches, choice.auto_micro) == ("full", 4, False)
+    assert choice.cfg.update.num_microbatches == 4 and all(m == 4 for _, m in simulated)
+    choice = choose_remat(tiny("update.remat=selective", "update.num_microbatches=auto"), tokenizer=tokenizer,
+                          limit=(1100, "the test device"))
+    assert (choice.mode, choice.microbatches, choice.auto) == ("selective", 16, False)
+    assert choice.line().startswith("update.remat=selective, update.num_microbatches=auto -> 16: ")
+    cpu = choose_remat(tiny("update.remat=auto", "update.num_microbatches=auto"), tokenizer=tokenizer)
+    assert (cpu.mode, cpu.microbatches) == ("none", 1) and "no device memory is known" in cpu.line()
+    with pytest.raises(ConfigError, match="packing"):
+        tiny("update.packing=true", "update.num_microbatches=auto")
