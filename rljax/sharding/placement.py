@@ -33,6 +33,7 @@ def _local_layouts(section: MeshConfig) -> tuple[Layout | None, Layout | None]:
     trainer's axes over the first devices, the sampler's data=-1 x tensor over the last ones,
     each a layout even on one device (the overlapped modes place arrays on either side).
     """
+    _clear_run_mesh()
     devices = jax.devices()[:section.devices] if section.devices else jax.devices()
     if jax.process_count() > 1 and len(devices) != jax.device_count():
         raise ConfigError(f"mesh.devices={section.devices}: a {jax.process_count()}-process run must use all "
@@ -58,6 +59,15 @@ def _local_layouts(section: MeshConfig) -> tuple[Layout | None, Layout | None]:
     tensor = section.sampler_tensor or mesh.shape["tensor"]
     sampler_mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=tensor), devices)
     return trainer_layout(mesh), sampler_layout(sampler_mesh)
+
+
+def _clear_run_mesh() -> None:
+    """Unsets an expert or context mesh that an earlier `build_layouts` set as JAX's mesh: it is
+    global, so without this a later layout in the same process (the plan's next candidate, a test)
+    would trace its programs under the old mesh (other devices, a context axis it does not have)."""
+    current = jax.sharding.get_abstract_mesh()
+    if current is not None and not current.empty and {"expert", "context"} & set(current.axis_names):
+        jax.set_mesh(None)
 
 
 @dataclasses.dataclass(frozen=True)
