@@ -161,6 +161,9 @@ def start(cfg: ModelConfig, params, prompt_tokens_pt, prompt_mask_pt, key, contr
     Static scheduler only. Every function here takes params stacked or split per layer
     (`rljax.models.unstack_layers`); split them once per version, as `sample_with_updates` does,
     or each call copies the layers out of the stacked arrays again."""
+    if controls.kv_dtype != "model":  # a weight swap rebuilds the cache in the compute dtype
+        raise ConfigError("interruptible sampling keeps its KV cache in the compute dtype; set sampling.kv_dtype = "
+                          "\"model\"")
     spec = controls.static()
     new_bucket = D.bucket_length(controls.max_new_tokens)
     widths = D.decode_widths(spec, new_bucket, controls.max_new_tokens)

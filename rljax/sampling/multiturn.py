@@ -66,6 +66,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from rljax.envs.masks import ENV, MODEL, PAD
+from rljax.errors import ConfigError
 from rljax.models import ModelConfig, rope_table, unstack_layers
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls, StaticControls
@@ -289,6 +290,12 @@ def finish(state: EpisodeState) -> Episodes:
 # ----------------------------------------------------------------------------- driver (a): one program
 
 
+def _model_kv(controls: SampleControls):
+    if controls.kv_dtype != "model":
+        raise ConfigError("multi-turn sampling keeps its KV cache in the compute dtype; set sampling.kv_dtype = "
+                          "\"model\"")
+
+
 def sample_episodes(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, index_b, key, *,
                     controls: SampleControls, host: Any, budget: int, max_turns: int,
                     max_observation_tokens: int) -> Episodes:
@@ -296,6 +303,7 @@ def sample_episodes(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, 
     `io_callback` from inside the decode loop. ``index_b`` [B] int32 names each prompt's example
     in the host's table; ``controls`` must stop on the format's tool-call end
     (`episode_controls`)."""
+    _model_kv(controls)
     spec = controls.static()
     n = controls.num_samples
     rows = prompt_tokens_bt.shape[0] * n
@@ -352,6 +360,7 @@ def sample_episodes_host_loop(cfg: ModelConfig, params, prompt_tokens_bt, prompt
                               max_observation_tokens: int) -> Episodes:
     """`sample_episodes` as jitted pieces and a host loop: decode until some row needs the
     environment, step it on the host, apply, repeat. Same episodes for the same key."""
+    _model_kv(controls)
     spec = controls.static()
     n = controls.num_samples
     params = unstack_layers(params)

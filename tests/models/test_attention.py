@@ -358,7 +358,9 @@ def test_the_decode_choice_follows_the_backend_and_the_model():
     assert "decode: xla" in describe_attention(cfg, "cpu")
     pallas = cfg.replace(decode_attention="pallas")
     assert init_cache(pallas, 2, 24)["layers"][0]["k"].shape == (2, 2, 24, 16)
-    assert cache_slot_axes(pallas) == {"k": 2, "v": 2} and cache_slot_axes(cfg) == {"k": 3, "v": 2}
+    # an FP8 cache's scales (`rljax.models.fp8`) share their buffer's slot axis
+    assert cache_slot_axes(pallas) == {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2}
+    assert cache_slot_axes(cfg) == {"k": 3, "v": 2, "k_scale": 3, "v_scale": 2}
     assert init_cache(cfg, 2, 24)["layers"][0]["k"].shape == (2, 2, 16, 24)
     with pytest.raises(ConfigError, match="decode_attention="):
         preset("qwen2-test", decode_attention="flash")
