@@ -34,6 +34,18 @@ is recorded as skipped):
                  experts (ragged_dot's Pallas Triton lowering on GPU) and the dense all-experts
                  reference: tokens/s, MFU over ACTIVE params (`bench/gpu/moe_phases.py`); about 3
                  minutes on an H200 (`--only ceilings moe` measures the peak it divides by).
+10. update 3B/7B (issue 53) `--only update:3B-auto torch_update:3B update:7B-auto torch_update:7B`:
+                 Qwen2.5-3B in full (f32, AdamW; PyTorch with gradient checkpointing) and Qwen2.5-7B
+                 with LoRA rank 16 on a bf16 base (PyTorch: peft), rljax at the remat mode and
+                 micro-batch count `update.remat = "auto"`, `update.num_microbatches = "auto"` pick
+                 from the memory plan on this device (plan compiles included in the phase).
+11. iteration    (issue 53) the whole GRPO iteration at 0.5B shapes: "rljax", `rljax train`'s compiled
+                 iteration (sync mode, random weights, rljax's exact-value verifier: no extra
+                 package), 8 iterations after compile, tokens/s, its parts (sampling, verification,
+                 update) compiled and timed alone, the device's wait on the host; "trl", TRL's
+                 `GRPOTrainer` (dr_grpo, transformers generate) on the same prompts, group, lengths
+                 and optimiser, per iteration after one warm-up (needs trl + datasets)
+                 (`bench/gpu/iteration_phases.py`).
 
 Each (phase, case) runs in its own child process (`--phase`, `--case`) under its own time limit,
 so a failure, an OOM or a hang costs only that row. Results go to
@@ -64,11 +76,14 @@ for path in (HERE, ROOT):  # bench/gpu helpers and the rljax checkout (not insta
 from gpu.report import markdown  # noqa: E402
 from gpu.shapes import nvidia_smi, package_versions  # noqa: E402
 from gpu.decode_phases import DECODE_ROOFLINE_CASES  # noqa: E402
+from gpu.iteration_phases import ITERATION_CASES  # noqa: E402
 from gpu.moe_phases import MOE_CASES  # noqa: E402
 from gpu.remat_phases import REMAT_CASES  # noqa: E402
 from gpu.torch_peers import PEER_CASES  # noqa: E402
 
 UPDATE_CASES = ["0.5B-auto", "0.5B-xla", "1.5B-auto"]
+# issue 53: Qwen2.5-3B in full and Qwen2.5-7B with LoRA on a bf16 base, the schedule "auto" picks (name the H200)
+BIG_UPDATE_CASES = ["3B-auto", "7B-auto"]
 DECODE_CASES = ["static-64", "static-256", "continuous-256", "static-256-xla"]
 HF_CASES = ["64", "256"]
 
@@ -84,7 +99,11 @@ PHASES = [("ceilings", None, 60),
           # issue 53: the 1.5B update at each remat mode and what "auto" picks, and the stronger PyTorch peers
           *[("remat", c, 240 if c.startswith("auto") else 110) for c in REMAT_CASES],
           *[("torch_peer", c, 150) for c in PEER_CASES],
-          *[("moe", c, 90) for c in MOE_CASES]]  # issue 47: grouped vs dense MoE update
+          *[("moe", c, 90) for c in MOE_CASES],  # issue 47: grouped vs dense MoE update
+          # issue 53: 3B full and 7B LoRA (each rljax row plans its schedule first), with their PyTorch peers
+          ("update", "3B-auto", 360), ("torch_update", "3B", 240), ("update", "7B-auto", 360), ("torch_update", "7B", 240),
+          # issue 53: the whole iteration, rljax's compiled one and TRL's GRPOTrainer (bench/gpu/iteration_phases.py)
+          *[("iteration", c, 240 if c == "rljax" else 300) for c in ITERATION_CASES]]
 START_SHARE = 0.5  # a phase starts only with at least this share of its limit left before the deadline
 RESERVE_S = 5  # kept back from the deadline for writing the results
 TAIL_LINES = 30  # output lines kept in the JSON of a phase that did not finish cleanly
@@ -92,11 +111,11 @@ TAIL_LINES = 30  # output lines kept in the JSON of a phase that did not finish 
 
 def run_phase(args) -> None:
     """Child process: run one (phase, case) and append its records."""
-    from gpu import jax_phases, moe_phases, remat_phases, torch_peers, torch_phases
+    from gpu import iteration_phases, jax_phases, moe_phases, remat_phases, torch_peers, torch_phases
     from gpu.shapes import Recorder
 
-    fn = next(getattr(m, args.phase) for m in (jax_phases, torch_phases, remat_phases, torch_peers, moe_phases)
-              if hasattr(m, args.phase))
+    fn = next(getattr(m, args.phase) for m in (jax_phases, torch_phases, remat_phases, torch_peers, moe_phases,
+                                               iteration_phases) if hasattr(m, args.phase))
     fn(args, args.case, Recorder(args.records, args.phase, args.case))
 
 
@@ -149,7 +168,7 @@ def write_outputs(run: dict, out_dir: str) -> tuple[str, str]:
     stem = os.path.join(out_dir, f"gpu_{slug(run['device_kind'])}_{run['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(run, f, indent=1, default=str)
-    text = markdown(run, UPDATE_CASES, DECODE_CASES, HF_CASES)
+    text = markdown(run, UPDATE_CASES + BIG_UPDATE_CASES, DECODE_CASES, HF_CASES)
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
     return stem + ".json", text

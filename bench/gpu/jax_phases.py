@@ -13,9 +13,13 @@ from gpu.shapes import CompileCounter, absent_module_imports, accelerator_versio
     hf_config, matmul_params, nvidia_smi, timed, train_flops_per_token
 from gpu.decode_phases import decode_roofline  # noqa: F401  (issue 48's decode rows, run as a jax phase)
 
-# (rows, tokens per row, micro-batches, remat) of the update step, at full and --small shapes
-UPDATE_SHAPES = {"0.5B": (64, 1024, 4, False), "1.5B": (64, 1024, 8, True)}
-UPDATE_SHAPES_SMALL = {"0.5B": (8, 64, 2, False), "1.5B": (8, 64, 4, True)}
+# (rows, tokens per row, micro-batches, remat) of the update step, at full and --small shapes; "auto":
+# what `rljax.plan.remat.choose_remat` picks from the memory plan on this device (issue 53)
+UPDATE_SHAPES = {"0.5B": (64, 1024, 4, False), "1.5B": (64, 1024, 8, True), "3B": (64, 1024, "auto", "auto"),
+                 "7B": (64, 1024, "auto", "auto")}
+UPDATE_SHAPES_SMALL = {"0.5B": (8, 64, 2, False), "1.5B": (8, 64, 4, True), "3B": (8, 64, "auto", "auto"),
+                       "7B": (8, 64, "auto", "auto")}
+LORA_RANK = {"7B": 16}  # LoRA (alpha = 2 x rank, every projection) on a bf16 base; the others train every weight
 GROUP_SIZE = 8  # samples per prompt in the synthetic rollout batch
 
 
@@ -88,25 +92,33 @@ def synthetic_rollout(rows: int, seq: int, vocab: int, seed: int = 0):
 
 def update(args, case, record):
     """rljax's `update_step` (dr_grpo, AdamW + grad-norm clip, f32 params, bf16 compute) at one
-    shape and attention choice: case "<0.5B|1.5B>-<auto|xla|cudnn|splash>"."""
+    shape and attention choice: case "<0.5B|1.5B|3B|7B>-<auto|xla|cudnn|splash>". 7B trains LoRA
+    adapters on a bf16 base (`LORA_RANK`); an "auto" micro-batch count or remat mode is chosen
+    from the memory plan first (`gpu.remat_phases.auto_schedule`)."""
     import jax
 
     from rljax.models import from_hf_dict, init_params
     from rljax.models.attention import describe_attention, resolve_attention
     from rljax.objectives import AlgorithmConfig
+    from rljax.lora import LoraConfig
     from rljax.optim import OptimConfig
     from rljax.update import UpdateConfig, init_train_state, update_step
 
     name, attention = case.split("-")
     rows, seq, micro, remat = (UPDATE_SHAPES_SMALL if args.small else UPDATE_SHAPES)[name]
+    rank = LORA_RANK.get(name, 0)
+    if "auto" in (micro, remat):
+        from gpu.remat_phases import auto_schedule
+
+        remat, micro = auto_schedule(args, name, micro, remat, record, lora_rank=rank)
     hf = hf_config(name, args.small)
-    cfg = from_hf_dict(hf, compute_dtype="bfloat16", param_dtype="float32", attention=attention)
+    cfg = from_hf_dict(hf, compute_dtype="bfloat16", param_dtype="bfloat16" if rank else "float32", attention=attention)
     counter = CompileCounter()
     batch = synthetic_rollout(rows, seq, hf["vocab_size"])
     update_cfg = UpdateConfig(num_microbatches=micro, remat=remat)
     state = init_train_state(cfg, init_params(cfg, jax.random.key(0)), AlgorithmConfig(algorithm="dr_grpo"),
                              OptimConfig(learning_rate=1e-6, max_grad_norm=1.0, weight_decay=0.01),
-                             update_cfg=update_cfg)
+                             update_cfg=update_cfg, lora=LoraConfig(rank=rank, alpha=2.0 * rank) if rank else None)
     jax.block_until_ready(state)
     counter.take()
     t = time.perf_counter()
@@ -124,8 +136,9 @@ def update(args, case, record):
 
     med, times = timed(step, 2 if args.small else 5, budget_s=args.budget * 0.35)
     tokens = rows * seq
-    tflops = train_flops_per_token(hf, seq) * tokens / med / 1e12
-    record(system="rljax", model=name, attention=attention, attention_resolved=resolve_attention(cfg),
+    # a frozen base computes no weight gradients: 4 N per token (forward 2 N, input gradients 2 N), not 6 N
+    tflops = train_flops_per_token(hf, seq) * (4 / 6 if rank else 1) * tokens / med / 1e12
+    record(system="rljax", model=name, attention=attention, lora_rank=rank, attention_resolved=resolve_attention(cfg),
            attention_line=describe_attention(cfg), rows=rows, seq=seq, microbatches=micro, remat=remat,
            log_entropy=update_cfg.log_entropy, unroll_layers=update_cfg.unroll_layers,
            params=cfg.num_params(), matmul_params=matmul_params(hf), first_call_s=first_s, **first,

@@ -89,26 +89,34 @@ def update(r: Run, update_cases: list[str]) -> list[str]:
              _row("system", "shape", "rows x tokens / micro-batches", "attention", "tokens/s", "MFU (measured peak)",
                   "vs PyTorch", "first call s", "programs compiled", "peak memory GiB"),
              _row(*["---"] * 10)]
-    for model in ("0.5B", "1.5B"):
+    for model in ("0.5B", "1.5B", "3B", "7B"):
         torch = r.find("torch_update", model)
+        if model in ("3B", "7B") and not torch and not r.find("update", f"{model}-auto", system="rljax"):
+            continue  # issue 53's big shapes: only when measured
         base = torch["tokens_per_s"] if torch else None
         if torch:
-            lines.append(_row("PyTorch eager", model, _batch(torch), torch["attention"], _num(torch["tokens_per_s"]),
+            label = "PyTorch eager" + (", grad checkpointing" if torch.get("gradient_checkpointing") else "") \
+                + (f", peft LoRA r{torch['lora_rank']}" if torch.get("lora_rank") else "")
+            lines.append(_row(label, model, _batch(torch), torch["attention"], _num(torch["tokens_per_s"]),
                               _pct(torch["mfu"]),
                               "1.00x", _num(torch["first_call_s"], 1), "-", _num(torch["peak_mem_gib"], 1)))
         else:
             lines.append(_row("PyTorch eager", model, "", "sdpa", r.missing("torch_update", model), "", "", "", "", ""))
         for case in (c for c in update_cases if c.startswith(model)):
-            u = r.find("update", case)
+            u = r.find("update", case, system="rljax")
             if not u:
                 lines.append(_row("rljax", model, "", case.split("-")[1], r.missing("update", case), "", "", "", "", ""))
                 continue
             vs = f"{u['tokens_per_s'] / base:.2f}x" if base else "-"
-            lines.append(_row("rljax" + (", remat" if u["remat"] else ""), model, _batch(u),
+            mode = "full" if u["remat"] is True else u["remat"]
+            lines.append(_row("rljax" + (f", remat {mode}" if mode not in (False, None, "none") else "")
+                              + (f", LoRA r{u['lora_rank']}" if u.get("lora_rank") else ""), model, _batch(u),
                               f"{u['attention']} ({u['attention_resolved']})", _num(u["tokens_per_s"]), _pct(u["mfu"]),
                               vs, _num(u["first_call_s"], 1), u["programs_compiled"], _num(u["peak_mem_gib"], 1)))
     fused, ref = r.find("update", "0.5B-auto"), r.find("update", "0.5B-xla")
     lines.append("")
+    lines += [f"- auto at {a['model']}: {a['line']} (chosen in {a['plan_s']:.1f} s)" for a in r.records
+              if a.get("what") == "remat_auto" and a.get("model") in ("3B", "7B")]
     if fused and ref:
         lines += [f"Fused-attention gain at 0.5B (\"auto\" over \"xla\"): **{fused['tokens_per_s'] / ref['tokens_per_s']:.2f}x**. "
                   f"{fused['attention_line']}.", ""]
@@ -171,6 +179,8 @@ def markdown(run: dict, update_cases: list[str], decode_cases: list[str], hf_cas
     r = Run(run)
     from gpu.remat_phases import report_lines as remat_lines  # issue 53: remat modes and PyTorch peers
 
+    from gpu.iteration_phases import report_lines as iteration_lines  # issue 53: the whole iteration, TRL's
+
     out = header(run) + ceilings(r) + update(r, update_cases) + remat_lines(r) + decode(r, decode_cases, hf_cases) \
-        + numerics(r) + phases(r)
+        + numerics(r) + iteration_lines(r) + phases(r)
     return "\n".join(out)

@@ -1,6 +1,6 @@
 """Shapes, FLOP and byte formulas, timing and recording shared by the GPU bench's phases.
 
-The model shapes are Qwen2.5-0.5B's and Qwen2.5-1.5B's published `config.json` fields (random
+The model shapes are Qwen2.5-0.5B's, 1.5B's, 3B's and 7B's published `config.json` fields (random
 weights: speed does not depend on their values). `--small` swaps in a 2-3 layer, width-128 model
 with a 4,096-token vocabulary so the whole bench runs on a CPU.
 """
@@ -18,12 +18,21 @@ QWEN = {
                  num_key_value_heads=2),
     "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
+    # issue 53: Qwen2.5-3B (full fine-tuning) and Qwen2.5-7B (LoRA on a bf16 base)
+    "3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
 SMALL = {
     "0.5B": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
     "1.5B": dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3, num_attention_heads=6,
                  num_key_value_heads=2),
+    "3B": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2),
+    "7B": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, tie_word_embeddings=False),
 }
 COMMON = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
               max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=151936,
@@ -35,7 +44,7 @@ ABSENT_ON_GPU_MACHINE = ("grain", "math_verify", "reasoning_gym")
 
 
 def hf_config(name: str, small: bool) -> dict:
-    """config.json fields of `name` ("0.5B" or "1.5B"), no EOS (decode runs to its budget)."""
+    """config.json fields of `name` ("0.5B", "1.5B", "3B" or "7B"), no EOS (decode runs to its budget)."""
     cfg = {**COMMON, **(SMALL if small else QWEN)[name]}
     if small:
         cfg.update(vocab_size=4096, bos_token_id=1)

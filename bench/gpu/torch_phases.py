@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from gpu.jax_phases import GROUP_SIZE, UPDATE_SHAPES, UPDATE_SHAPES_SMALL, decode_lengths, ratio
+from gpu.jax_phases import GROUP_SIZE, LORA_RANK, UPDATE_SHAPES, UPDATE_SHAPES_SMALL, decode_lengths, ratio
 from gpu.shapes import decode_floor_bytes, hf_config, timed, train_flops_per_token
 
 CLIP_EPS = 0.2  # rljax's dr_grpo default (clip_eps_low = clip_eps_high = 0.2)
@@ -37,17 +37,37 @@ def torch_update(args, case, record):
     """One optimiser step over the batch: micro-batches accumulate gradients, then global-norm
     clip 1.0 and AdamW. Loss: the PPO clipped surrogate with Dr. GRPO advantages (reward minus
     its group's mean) and aggregation (each row's token sum over the completion budget, mean
-    over rows). case: "0.5B" or "1.5B"."""
+    over rows). case: "0.5B", "1.5B", "3B" or "7B". Where rljax's shape table leaves the schedule
+    to "auto" (3B, 7B), PyTorch runs 8 micro-batches with gradient checkpointing (the 3B step in f32
+    with AdamW does not fit an H200 without it); 7B trains peft LoRA adapters (rank 16, alpha 32,
+    every projection: rljax's targets) on a bf16 base."""
     import numpy as np
     import torch
     import transformers
 
     device = _device()
-    rows, seq, micro, _remat = (UPDATE_SHAPES_SMALL if args.small else UPDATE_SHAPES)[case]
+    rows, seq, micro, remat = (UPDATE_SHAPES_SMALL if args.small else UPDATE_SHAPES)[case]
+    checkpointing = remat == "auto"
+    micro = min(8, rows) if micro == "auto" else micro
+    rank = LORA_RANK.get(case, 0)
     hf = hf_config(case, args.small)
     model = _qwen2(hf, device)
+    if rank:
+        import peft
+
+        model = peft.get_peft_model(model.to(torch.bfloat16), peft.LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        for p in model.parameters():  # the adapters train in f32 (as rljax's), the base stays bf16
+            if p.requires_grad:
+                p.data = p.data.float()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if rank:
+            model.enable_input_require_grads()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=device == "cuda")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.01,
+                            fused=device == "cuda")
     rng = np.random.default_rng(0)
     prompt = seq // 4
     tokens = torch.tensor(rng.integers(0, hf["vocab_size"] - 1, (rows, seq)), device=device)
@@ -71,7 +91,7 @@ def torch_update(args, case, record):
             surrogate = torch.minimum(ratio_ * adv, ratio_.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * adv)
             loss = -(surrogate * mask[sl, 1:]).sum() / norm
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -80,10 +100,10 @@ def torch_update(args, case, record):
     step()
     first_s = time.perf_counter() - t
     med, times = timed(step, 2 if args.small else 5, budget_s=args.budget * 0.4)
-    tflops = train_flops_per_token(hf, seq) * rows * seq / med / 1e12
-    record(system="pytorch", model=case, rows=rows, seq=seq, microbatches=micro,
+    tflops = train_flops_per_token(hf, seq) * (4 / 6 if rank else 1) * rows * seq / med / 1e12
+    record(system="pytorch", model=case, rows=rows, seq=seq, microbatches=micro, lora_rank=rank,
            attention=model.config._attn_implementation,
-           gradient_checkpointing=False, params=sum(p.numel() for p in model.parameters()), first_call_s=first_s,
+           gradient_checkpointing=checkpointing, params=sum(p.numel() for p in model.parameters()), first_call_s=first_s,
            step_s=med, times=times, tokens_per_s=rows * seq / med, model_tflops=tflops,
            mfu=ratio(tflops, args.peak_tflops),
            peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
