@@ -296,3 +296,17 @@ def test_accuracy_band_and_refill_errors():
     assert accuracy_band(rewards_pn, low=0.3, high=1.0).tolist() == [False, False, True, False]
     with pytest.raises(ConfigError, match="pool"):
         refill(np.ones(3, bool), 4)
+
+
+def test_compiled_stages_import_without_grain():
+    """The iteration, the memory plan and the remat choice import with grain absent (as on a GPU
+    machine without it): grain is imported where a dataset is built. Catches: a module-level
+    `import grain` on the path from `rljax.stages` or `rljax.plan`."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['grain'] = None\n"
+            "import rljax.stages.iteration, rljax.plan.memory, rljax.plan.remat, rljax.train.config\n"
+            "assert 'grain' not in [m for m, v in sys.modules.items() if v is not None]")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
