@@ -6,15 +6,15 @@ whose memory plan fits the device.
     choice                   the first mode with peak(mode) <= device memory; none fits: refused
 
 With `update.num_microbatches = "auto"` as well, the candidates are (mode, m) pairs, m a divisor of
-the rows per mini-batch, tried in this order (`candidates`):
+the rows per mini-batch (`microbatch_counts`), tried in this order:
 
     none/1, none/2, none/4, ... , selective/1, selective/2, ... , full/1, full/2, ...
 
 Remat mode first, then fewer micro-batches: remat's recompute grows with every token (selective a
 few percent of the FLOPs, full about a third), while one more micro-batch costs one more pass over
-the weights and a smaller matmul, which is cheap until the micro-batches get thin (on the H200 at
-1.5B, 4 -> 8 micro-batches without remat cost 4% of the tokens/s, full remat at 8 cost 19%:
-BENCHMARKS.md, issue 53). So no remat at any micro-batch count comes before selective, and
+the weights and a smaller matmul, which is cheap until the micro-batches get thin (measured on an
+H200: BENCHMARKS.md, issue 53, where doubling the micro-batches cost far less than full remat).
+So no remat at any micro-batch count comes before selective, and
 selective before full; within a mode the fewest micro-batches (the biggest matmuls) that fit win.
 Not every candidate is compiled: per mode the plan is compiled at m = 1 and m = 2, and a larger m
 is first estimated from the line peak(m) = a + b / m through the two nearest planned counts (the
@@ -30,13 +30,13 @@ the device reports (`memory_stats()["bytes_limit"]`, `rljax.plan.accelerators.de
 A CPU reports none: there "auto" is "none" (and one micro-batch), what the run did before "auto"
 existed.
 
-Cost: only as many plans as candidates planned (above), each the whole plan (`plan_memory`, what `rljax plan`
-prints and `rljax train`'s memory check computes), and each cached per configuration, in this
-process and in a JSON file (`$RLJAX_PLAN_CACHE`, default `~/.cache/rljax/remat_plans.json`)
-keyed by a hash of everything that shapes the programs but the two chosen settings (model, the
-rest of the update schedule, sampling, mesh,
-objective, device kind, jax version): a second start with the same recipe compiles nothing to
-choose. (Re-planning only the update program and carrying the one-program iteration's excess
+Cost: only as many plans as candidates planned (above), each the whole plan (`plan_memory`, what
+`rljax plan` prints and `rljax train`'s memory check computes; the sampling program, which the
+update's schedule does not change, compiled once per process), and each cached per configuration,
+in this process and in a JSON file (`$RLJAX_PLAN_CACHE`, default
+`~/.cache/rljax/remat_plans.json`) keyed by a hash of everything that shapes the programs but the
+two chosen settings (model, the rest of the update schedule, sampling, mesh, objective, device
+kind, jax version): a second start with the same recipe compiles nothing to choose. (Re-planning only the update program and carrying the one-program iteration's excess
 over from the first mode, as `rljax.plan.advice` does for its candidates, under-counted selective
 remat's peak by 16% on a 4-layer model: the compiler shares buffers between the stages
 differently per mode.)
