@@ -101,7 +101,7 @@ def _rljax(args, record):
     reward_fn = _verifier()
     callback = as_callback(reward_fn, digit_text, [{"answer": a} for a in golds])
     controls = SampleControls(max_new_tokens=new, num_samples=g, temperature=1.0, eos_ids=(eos,), pad_id=eos)
-    prompts = (jnp.asarray(ids), jnp.ones(ids.shape, bool), jnp.arange(p, dtype=jnp.int32))
+    prompts = (ids, np.ones(ids.shape, bool), np.arange(p, dtype=np.int32))  # host arrays, as the driver passes
     step = make_iteration(controls, callback, num_groups=p)  # what the sync driver calls each iteration
     key = jax.random.key(1)
     counter = CompileCounter()
