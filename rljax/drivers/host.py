@@ -42,7 +42,7 @@ from rljax.update import RolloutBatch
 _SUMMED = ("rollout/tokens", "rollout/verifier_failed")  # rollout metrics that add up over rounds
 _REPLAY_ARRAYS = ("tokens", "attn_mask", "loss_mask", "behaviour_logp", "rewards", "order")
 _ROW_FIELDS = ("tokens_bt", "attn_mask_bt", "loss_mask_bt", "sampler_logp_bt", "rewards_b", "baseline_rewards_b",
-               "verifier_rewards_b")
+               "verifier_rewards_b", "routes_btlk")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ Params of one layer (stacked on the leading L axis like every layer weight):
 Routing replay (`routes_btk`): the experts are the given ones instead of the router's own top-k,
 and the gates are the router's probabilities AT those experts (renormalised as the family does),
 so the router's weights still get gradients through the gates while every token's expert choice
-is the one the sampler made (R3, "routing replay"; verl, slime). Dropless: every routed token is
+is the one the sampler made (R3, "routing replay"; verl, slime). A record entry of -1 (a token
+the sampler never fed back, or padding) routes that token by the router's own top-k. Dropless: every routed token is
 computed; nothing is capacity-dropped, as in the HF models.
 
 Contract of `moe_mlp` (for expert parallelism and the trainer):
@@ -61,20 +62,16 @@ def route(x_btd, router_de, cfg: ModelConfig, routes_btk=None):
     probabilities at them."""
     moe = cfg.moe
     logits = project(x_btd, router_de, dtype=cfg.compute_jnp_dtype)
+    scores = jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax" else logits
+    top, own = jax.lax.top_k(scores, moe.top_k)
+    used = own
+    if routes_btk is not None:  # a record; -1 marks a token it does not cover (routed by its own top-k)
+        used = jnp.where(routes_btk >= 0, routes_btk.astype(own.dtype), own)
+        top = jnp.take_along_axis(scores, used, axis=-1)
     if moe.scoring == "softmax":
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_p, own = jax.lax.top_k(probs, moe.top_k)
-        if routes_btk is not None:
-            top_p = jnp.take_along_axis(probs, routes_btk, axis=-1)
-        if moe.norm_topk_prob:
-            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-        gates = top_p
+        gates = top / jnp.sum(top, axis=-1, keepdims=True) if moe.norm_topk_prob else top
     else:
-        top_l, own = jax.lax.top_k(logits, moe.top_k)
-        if routes_btk is not None:
-            top_l = jnp.take_along_axis(logits, routes_btk, axis=-1)
-        gates = jax.nn.softmax(top_l, axis=-1)
-    used = own if routes_btk is None else routes_btk
+        gates = jax.nn.softmax(top, axis=-1)
     return gates, used.astype(jnp.int32), own.astype(jnp.int32), logits
 
 
@@ -116,3 +113,9 @@ def init_moe_layers(cfg: ModelConfig, normal) -> dict:
         out.update(shared_gate=normal(L, D, Fs), shared_up=normal(L, D, Fs), shared_down=normal(L, Fs, D),
                    shared_router=normal(L, D))
     return out
+
+
+def route_dtype(cfg: ModelConfig):
+    """The integer type of a routing record (`rljax.sampling` records, `RolloutBatch.routes_btlk`):
+    int8 when every expert id and the -1 of an unrecorded token fit (E <= 127), else int16."""
+    return jnp.int8 if cfg.moe.num_experts <= 127 else jnp.int16

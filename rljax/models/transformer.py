@@ -343,19 +343,21 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
     return h, kv, aux
 
 
-def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, positions_bt=None):
+def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, positions_bt=None, *,
+                  return_routes: bool = False):
     """A prompt's forward pass through the cache-free path (so its attention is the fused kernel
     where one serves), returning (hidden states [B, P, D], a KV cache of exactly P slots holding
     its keys and values, index P): what `hidden_states` with an empty P-slot cache returns, with
-    the attention of the training forward instead of `cached_attention`."""
+    the attention of the training forward instead of `cached_attention`. `return_routes` appends
+    an MoE model's routes of the prompt, int32 [L, B, P, k] (the sampler's record for routing replay)."""
     p = tokens_bt.shape[1]
     attn_mask_bt = attn_mask_bt.astype(bool)
     positions_bt = default_positions(attn_mask_bt) if positions_bt is None else positions_bt.astype(jnp.int32)
-    h, (k_lbtkh, v_lbtkh), _ = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=False,
-                                              unroll=False, rope_cos_sin=None, return_kv=True)
+    h, (k_lbtkh, v_lbtkh), aux = _full_sequence(cfg, params, tokens_bt, positions_bt, attn_mask_bt, remat=False,
+                                                unroll=False, rope_cos_sin=None, return_kv=True)
     layers = tuple(dict(zip(("k", "v"), to_cache_layout(cfg, k_lbtkh[i], v_lbtkh[i]))) for i in range(cfg.num_layers))
     cache = {"layers": layers, "pos": jnp.where(attn_mask_bt, positions_bt, -1), "index": jnp.asarray(p, jnp.int32)}
-    return h, cache
+    return (h, cache, aux.routes_btk) if return_routes else (h, cache)
 
 
 def _cache_writer(index):

@@ -72,6 +72,9 @@ _DECLARED_PARAMS = (
 )
 
 
+ROUTING_REPLAY = ("off", "rollout")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutNeeds:
     """What the objective needs besides tokens, sampler log-probs and rewards, collected from the
@@ -83,6 +86,7 @@ class RolloutNeeds:
     reference_logp: bool = False
     teacher_logp: bool = False
     teacher_hidden: bool = False
+    routes: bool = False  # the sampler's MoE routing record (`algorithm.routing_replay = "rollout"`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,10 @@ class AlgorithmConfig:
     An MoE policy (`rljax.models.moe_losses`): `router_aux_coef` weighs the load-balancing loss
     (Switch Transformer; transformers' `load_balancing_loss_func`), `router_z_coef` the router
     z-loss (ST-MoE, Zoph et al., 2022); both are added to the update's loss (0: off) and logged.
+    `routing_replay = "rollout"` (routing replay, "R3": verl, slime's `--use-rollout-routing-replay`)
+    has the sampler record every token's experts per layer and every trainer forward of those
+    tokens (old and reference log-probs, the update) compute each token with them, the gates
+    still from the trainer's router; "off" routes by the trainer's own top-k (docs/moe.md).
 
     The update schedule and compile switches live in `rljax.update.UpdateConfig`, reward shaping
     in `rljax.objectives.shaping.RewardShaping`.
@@ -169,6 +177,7 @@ class AlgorithmConfig:
     off_policy_kl_coef: float = bounded(0.1, ge=0)
     router_aux_coef: float = bounded(0.0, ge=0)
     router_z_coef: float = bounded(0.0, ge=0)
+    routing_replay: str = "off"
 
     def __post_init__(self):
         if self.algorithm not in PRESETS:
@@ -236,6 +245,8 @@ class AlgorithmConfig:
              f"top_entropy_quantile={self.top_entropy_quantile} must lie in (0, 1] (1: every token)")
         need(self.entropy_target is None or self.entropy_target >= 0,
              f"entropy_target={self.entropy_target} must be >= 0 nats (or unset: a fixed entropy_coef)")
+        need(self.routing_replay in ROUTING_REPLAY,
+             f"routing_replay={self.routing_replay!r}; choose one of {', '.join(ROUTING_REPLAY)}")
         need("values" not in ADVANTAGES.needs(self.advantage) or self.value_coef > 0,
              f"advantage={self.advantage!r} needs a value model: set value_coef > 0")
 
@@ -280,7 +291,8 @@ class AlgorithmConfig:
         declared |= {"values"} if self.uses_values else set()
         declared |= {"reference_logp"} if self.uses_reference else set()
         declared |= set(DISTILLATION.needs(self.distill)) if self.distill != "none" else set()
-        return RolloutNeeds(**{name: name in declared for name in ROLLOUT_NEEDS})
+        return RolloutNeeds(**{name: name in declared for name in ROLLOUT_NEEDS},
+                            routes=self.routing_replay == "rollout")
 
     def replace(self, **changes) -> AlgorithmConfig:
         return dataclasses.replace(self, **changes)

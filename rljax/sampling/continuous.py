@@ -278,4 +278,6 @@ def trim(result: SampleResult, rows: int, width: int) -> SampleResult:
     cut = lambda x: x[:rows, :width]
     return result.replace(tokens=cut(result.tokens), logprobs=cut(result.logprobs),
                           sampling_logprobs=cut(result.sampling_logprobs), mask=cut(result.mask),
-                          lengths=result.lengths[:rows], finish_reason=result.finish_reason[:rows])
+                          lengths=result.lengths[:rows], finish_reason=result.finish_reason[:rows],
+                          routes=None if result.routes is None else cut(result.routes),
+                          prompt_routes=None if result.prompt_routes is None else result.prompt_routes[:rows])

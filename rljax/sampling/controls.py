@@ -67,6 +67,7 @@ class StaticControls:
     decode_phases: int = 1
     draw: str = "reference"
     decode_chunk: int = 0
+    record_routes: bool = False
     kv_dtype: str = "model"
 
 
@@ -129,6 +130,10 @@ class SampleControls:
       dequantised where attention reads them (`rljax.models.fp8`): about half the cache bytes.
       Static scheduler only.
 
+    record_routes: an MoE model's top-k expert ids of every prompt and completion token, per layer,
+      come back in `SampleResult.prompt_routes` / `routes` (routing replay, docs/moe.md; static
+      scheduler only). The RL rollout sets it when `algorithm.routing_replay = "rollout"`.
+
     Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
     """
 
@@ -155,6 +160,7 @@ class SampleControls:
     draw: str = "auto"
     weight_dtype: str = "model"
     decode_chunk: int = bounded(0, ge=0)
+    record_routes: bool = False
     kv_dtype: str = "model"
 
     def __post_init__(self):
@@ -169,7 +175,7 @@ class SampleControls:
                           prefill_batch=int(self.prefill_batch), refill_batch=int(self.refill_batch),
                           page_size=int(self.page_size), batch_invariant=bool(self.batch_invariant),
                           decode_phases=int(self.decode_phases),
-                          decode_chunk=int(self.decode_chunk))
+                          decode_chunk=int(self.decode_chunk), record_routes=bool(self.record_routes))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
                               f"{err}") from None
@@ -186,6 +192,9 @@ class SampleControls:
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
         self._check_kv_layout()
+        if self.record_routes and self.scheduler != "static":
+            raise ConfigError("sampling: the MoE routing record (algorithm.routing_replay='rollout') is taken by the "
+                              "static scheduler only; set sampling.scheduler = \"static\"")
         if self.draw not in DRAWS:
             raise ConfigError(f"sampling: draw must be one of {', '.join(DRAWS)}, got {self.draw!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -233,7 +242,7 @@ class SampleControls:
                               logits_processor=self.logits_processor, batch_invariant=self.batch_invariant,
                               decode_phases=self.decode_phases or default_decode_phases(),
                               draw=default_draw() if self.draw == "auto" else self.draw,
-                              decode_chunk=self.decode_chunk, kv_dtype=self.kv_dtype)
+                              record_routes=self.record_routes, decode_chunk=self.decode_chunk, kv_dtype=self.kv_dtype)
 
     def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
         """(temperature, top_p, min_p) as traced values; greedy ignores them."""

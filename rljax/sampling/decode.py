@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.models import ModelConfig, cache_slot_axes, forward, prefill_cache
-from rljax.models import logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
+from rljax.models import hidden_states, logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
+from rljax.models.moe import route_dtype
 from rljax.models.attention import key_cache_layout
 from rljax.models.fp8 import quantize_cache_layers
 from rljax.sampling.controls import StaticControls
@@ -106,6 +107,12 @@ class SampleResult:
     preemptions       int32  [] paged layout: rows preempted when the page pool ran out (else 0)
     peak_pages        int32  [] paged layout: the most pages in use at once (else 0)
     free_pages        int32  [] paged layout: free pages when the loop ended (all of them: no leak)
+    routes            int8/16 [B * n, T_new, L, k] with `record_routes` (an MoE model): each completion
+                             token's experts per layer, as the decode step that fed it computed them;
+                             -1 off the mask and on a row's last token when no later step fed it
+                             (it scores nothing). None otherwise.
+    prompt_routes     int8/16 [B * n, P, L, k] with `record_routes`: the prefill's experts of each
+                             prompt token (the left-padded prompt the sampler ran; -1 on padding)
 
     Occupancy = live_row_steps / slot_steps; the rest of the decode compute went to
     rows that had ended (or, continuous, to empty slots).
@@ -124,6 +131,8 @@ class SampleResult:
     preemptions: jax.Array | int = 0
     peak_pages: jax.Array | int = 0
     free_pages: jax.Array | int = 0
+    routes: jax.Array | None = None
+    prompt_routes: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -145,6 +154,9 @@ class DecodeState:
     row_keys_b: jax.Array  # fold_in(key, row) per row
     scalars: Any  # (temperature, top_p, min_p) traced scalars
     live_row_steps: jax.Array  # running rows summed over decode steps
+    # routing record (`record_routes`, an MoE model; else None: no buffer in the carry)
+    routes_bnlk: Any = None  # completion token j's experts, written by the step that feeds it
+    prompt_routes_bplk: Any = None  # the prefill's, per prompt (not per sample)
 
 
 def row_keys(key, rows: int):
@@ -213,10 +225,20 @@ def one_row_at_a_time(fn, *row_args, shared=()):
     return jax.lax.map(one, row_args)
 
 
+def records_routes(cfg: ModelConfig, spec: StaticControls) -> bool:
+    """Whether the sampler records routes: `spec.record_routes` on a model with MoE layers."""
+    return spec.record_routes and cfg.moe is not None
+
+
 def step_forward(cfg: ModelConfig, layer_params, tokens_b, positions_b, live_b, cache, rope_cos_sin, *,
-                 batch_invariant: bool):
+                 batch_invariant: bool, record_routes: bool = False):
     """One decode step: logits [B, V] for the tokens `tokens_b` at `positions_b`, and the cache
-    with their keys and values appended (each row at the cache's index: a scalar, or one per row)."""
+    with their keys and values appended (each row at the cache's index: a scalar, or one per row).
+    `record_routes` (an MoE model) appends the fed tokens' experts per layer, int32 [B, L, k]."""
+    if record_routes and not batch_invariant:
+        h_b1d, cache, routes_lb1k = hidden_states(cfg, layer_params, tokens_b[:, None], positions_b[:, None],
+                                                  live_b[:, None], cache, rope_cos_sin=rope_cos_sin, return_routes=True)
+        return logits_from_hidden(cfg, layer_params, h_b1d)[:, 0], cache, routes_lb1k[:, :, 0].swapaxes(0, 1)
     if not batch_invariant:
         logits_b1v, cache = forward(cfg, layer_params, tokens_b[:, None], positions_b[:, None], live_b[:, None],
                                     cache, rope_cos_sin=rope_cos_sin)
@@ -227,25 +249,33 @@ def step_forward(cfg: ModelConfig, layer_params, tokens_b, positions_b, live_b, 
 
     def one(tok, pos, live, layers, kpos, *row_index):
         row_cache = {"layers": layers, "pos": kpos, "index": row_index[0] if per_row else index}
-        logits, new = forward(cfg, layer_params, tok[:, None], pos[:, None], live[:, None], row_cache,
-                              rope_cos_sin=rope_cos_sin)
-        return logits[:, 0], new["layers"], new["pos"]
+        out = step_forward(cfg, layer_params, tok, pos, live, row_cache, rope_cos_sin, batch_invariant=False,
+                           record_routes=record_routes)
+        return (out[0], out[1]["layers"], out[1]["pos"]) + out[2:]
 
-    logits_bv, layers, kpos = one_row_at_a_time(one, *rows)
-    return logits_bv, {"layers": layers, "pos": kpos, "index": index + 1}
+    logits_bv, layers, kpos, *routes = one_row_at_a_time(one, *rows)
+    return (logits_bv, {"layers": layers, "pos": kpos, "index": index + 1}, *routes)
 
 
-def prompt_forward(cfg: ModelConfig, params, prompt_bt, mask_bt, *, batch_invariant: bool = False):
+def prompt_forward(cfg: ModelConfig, params, prompt_bt, mask_bt, *, batch_invariant: bool = False,
+                   record_routes: bool = False):
     """The prompts' forward pass: (a KV cache of P slots, the logits after the last real token
-    [B, V]). Both schedulers prefill with it; `batch_invariant` runs one prompt at a time."""
+    [B, V]). Both schedulers prefill with it; `batch_invariant` runs one prompt at a time.
+    `record_routes` (an MoE model) appends the prompt tokens' experts per layer, [B, P, L, k] in
+    `route_dtype` (-1 on padding)."""
     if batch_invariant:
-        cache, logits_bv = one_row_at_a_time(lambda t, m: prompt_forward(cfg, params, t, m), prompt_bt, mask_bt)
-        return dict(cache, index=jnp.asarray(prompt_bt.shape[1], jnp.int32)), logits_bv
+        cache, logits_bv, *routes = one_row_at_a_time(
+            lambda t, m: prompt_forward(cfg, params, t, m, record_routes=record_routes), prompt_bt, mask_bt)
+        return (dict(cache, index=jnp.asarray(prompt_bt.shape[1], jnp.int32)), logits_bv, *routes)
     p = prompt_bt.shape[1]
-    h_btd, cache = prefill_cache(cfg, params, prompt_bt, mask_bt)
+    h_btd, cache, *routes = prefill_cache(cfg, params, prompt_bt, mask_bt, return_routes=record_routes)
     last_b = p - 1 - jnp.argmax(jnp.flip(mask_bt, axis=1), axis=1)  # last real token (any padding)
     h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
-    return cache, logits_from_hidden(cfg, params, h_b1d)[:, 0]
+    out = (cache, logits_from_hidden(cfg, params, h_b1d)[:, 0])
+    if not record_routes:
+        return out
+    routes_bplk = routes[0].transpose(1, 2, 0, 3)
+    return out + (jnp.where(mask_bt[:, :, None, None], routes_bplk, -1).astype(route_dtype(cfg)),)
 
 
 def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars, *, spec: StaticControls,
@@ -259,9 +289,11 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
     `prompt_forward` (image prompts: `rljax.sampling.vision`)."""
     b, p = prompt_bt.shape
     bn = b * num_samples
+    recording = records_routes(cfg, spec)
     if prompt is None:
-        prompt = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant)
-    cache, logits_bv = prompt
+        prompt = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant,
+                                record_routes=recording)
+    cache, logits_bv, *prompt_routes = prompt
     if spec.kv_dtype == "fp8":  # the prompt's keys and values stored as FP8 (`rljax.models.fp8`)
         cache = dict(cache, layers=quantize_cache_layers(cache["layers"], key_cache_layout(cfg)))
 
@@ -280,7 +312,10 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
         finish_b=jnp.full((bn,), FINISH_LENGTH, jnp.int32),
         window_bl=jnp.full((bn, window), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32), max_new=max_new, row_keys_b=row_keys(key, bn), scalars=scalars,
-        live_row_steps=jnp.zeros((), jnp.int32))
+        live_row_steps=jnp.zeros((), jnp.int32),
+        routes_bnlk=jnp.full((bn, new_bucket, cfg.num_layers, cfg.moe.top_k), -1, route_dtype(cfg)) if recording
+        else None,
+        prompt_routes_bplk=prompt_routes[0] if recording and prompt_routes else None)
     return record(state, jnp.repeat(logits_bv, num_samples, axis=0), spec)
 
 
@@ -313,14 +348,20 @@ def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticC
     if rope_cos_sin is None:
         rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
     stop_at = jnp.minimum(limit, state.max_new)
+    recording = records_routes(cfg, spec)
 
     def cond(s: DecodeState):
         return (s.step < stop_at) & ~jnp.all(s.done_b)
 
     def body(s: DecodeState):
         ones_b = jnp.ones(s.last_token_b.shape, bool)
-        logits_bv, cache = step_forward(cfg, layer_params, s.last_token_b, s.next_pos_b, ones_b, s.cache,
-                                        rope_cos_sin, batch_invariant=spec.batch_invariant)
+        logits_bv, cache, *routes = step_forward(cfg, layer_params, s.last_token_b, s.next_pos_b, ones_b, s.cache,
+                                                 rope_cos_sin, batch_invariant=spec.batch_invariant,
+                                                 record_routes=recording)
+        if recording:  # the fed token is completion token step - 1
+            col = (0, s.step - 1, 0, 0)
+            s = s.replace(routes_bnlk=jax.lax.dynamic_update_slice(
+                s.routes_bnlk, routes[0][:, None].astype(s.routes_bnlk.dtype), col))
         s = s.replace(cache=cache, next_pos_b=s.next_pos_b + 1,
                       live_row_steps=s.live_row_steps + jnp.sum(~s.done_b, dtype=jnp.int32))
         return record(s, logits_bv, spec)
@@ -341,7 +382,14 @@ def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticC
 def to_result(state: DecodeState, *, width: int) -> SampleResult:
     """The first `width` (= max_new_tokens) columns of the decode buffers as a `SampleResult`."""
     mask = jnp.arange(width)[None, :] < state.length_b[:, None]
-    return SampleResult(tokens=state.tokens_bn[:, :width], logprobs=state.logp_bn[:, :width],
+    routes = prompt_routes = None
+    if state.routes_bnlk is not None:
+        routes = jnp.where(mask[:, :, None, None], state.routes_bnlk[:, :width], -1).astype(state.routes_bnlk.dtype)
+    if state.prompt_routes_bplk is not None:
+        rows = state.length_b.shape[0]
+        prompt_routes = jnp.repeat(state.prompt_routes_bplk, rows // state.prompt_routes_bplk.shape[0], axis=0)
+    return SampleResult(routes=routes, prompt_routes=prompt_routes,
+                        tokens=state.tokens_bn[:, :width], logprobs=state.logp_bn[:, :width],
                         sampling_logprobs=state.sampling_logp_bn[:, :width], mask=mask,
                         lengths=state.length_b, finish_reason=state.finish_b, decode_steps=state.step - 1,
                         live_row_steps=state.live_row_steps, slots=state.length_b.shape[0],

@@ -28,7 +28,7 @@ from rljax.objectives.rollout_correction import mask_kl_tokens
 from rljax.rewards.judge import judge_rows, parse_verdicts
 from rljax.rewards.learned import pair_agreement
 from rljax.sampling import SampleControls, sample
-from rljax.update.batch import ROLLOUT_FIELDS, PreparedBatch, RolloutBatch, state_values
+from rljax.update.batch import ROLLOUT_FIELDS, PreparedBatch, RolloutBatch, replayed_routes, state_values
 
 sg = jax.lax.stop_gradient
 
@@ -43,12 +43,18 @@ def _chunked(fn, chunks: int, *arrays):
 
 
 def _check_provides(algo, shaping, reward_model, batch: RolloutBatch) -> None:
-    """One-line ConfigErrors for a batch that lacks a field the objective declares it needs, or
-    carries turn returns it cannot use (`check_turn_credit`, the loader's check too)."""
+    """One-line ConfigErrors for a batch that lacks a field the objective declares it needs (a
+    routing record under routing replay too), or carries turn returns it cannot use
+    (`check_turn_credit`, the loader's check too)."""
+    needs = algo.needs
     for need, field in ROLLOUT_FIELDS.items():
         if getattr(algo.needs, need) and getattr(batch, field) is None:
             raise ConfigError(f"advantage={algo.advantage!r} declares the need {need!r}, but batch.{field} is None: "
                               "build the batch with rljax.train.rollout (it reads state.algo.needs)")
+    if needs.routes and batch.routes_btlk is None:
+        raise ConfigError("algorithm.routing_replay='rollout' replays the sampler's routing record, but "
+                          "batch.routes_btlk is None: build the batch with rljax.stages.rollout (it records the "
+                          "routes), or set algorithm.routing_replay='off'")
     if batch.turn_returns is not None:  # a PRM with token credit adds per-token rewards (`_learned_reward`)
         prm_tokens = reward_model is not None and reward_model.kind == "prm" and reward_model.credit == "token"
         check_turn_credit(algo, shaping, token_rewards=prm_tokens)
@@ -96,9 +102,16 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
 
     lp_chunks = schedule.chunk_for(toks.shape[0] // chunks, toks.shape[1], cfg.vocab_size)
 
+    # Routing replay: every forward of these tokens computes each one with the sampler's experts
+    routes = batch.routes_btlk if needs.routes else None
+    check_routing_replay(cfg, algo)
+    rows_in = (toks, attn) if routes is None else (toks, attn, routes)
+
     def score(params):
-        return sg(_chunked(lambda t, a: token_logprobs(cfg, params, t, a, chunk_size=lp_chunks.time,
-                                                       vocab_chunk=lp_chunks.vocab)[0], chunks, toks, attn))
+        return sg(_chunked(lambda t, a, *r: token_logprobs(cfg, params, t, a, chunk_size=lp_chunks.time,
+                                                           vocab_chunk=lp_chunks.vocab,
+                                                           routes_lbtk=replayed_routes(*r) if r else None)[0],
+                           chunks, *rows_in))
 
     policy, critic = state.models()  # no LoRA dropout: these are the policy's own log-probs
     sampler_logp = batch.sampler_logp_bt.astype(f32)
@@ -167,8 +180,15 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
                              old_values_bt=old_values, returns_bt=returns, teacher_hidden_btd=teacher_hidden,
                              reward_model_scores_b=rm_scores,
                              behaviour_logp_bt=None if correction_kl is None else sampler_logp,
-                             correction_kl_bt=correction_kl)
+                             correction_kl_bt=correction_kl, routes_btlk=routes)
     return prepared, metrics
+
+
+def check_routing_replay(cfg, algo) -> None:
+    """One line for `algorithm.routing_replay = "rollout"` on a model with no MoE layers."""
+    if algo.routing_replay != "off" and cfg.moe is None:
+        raise ConfigError(f"algorithm.routing_replay={algo.routing_replay!r} replays an MoE router's expert choices, "
+                          "but the policy is a dense model: set algorithm.routing_replay='off'")
 
 
 def correction_shares(weight_bt, mask_bt, kept_bt) -> dict[str, jax.Array]:

@@ -53,6 +53,10 @@ class RolloutBatch:
     (`reads=("turn_returns",)`; `rljax.objectives.check_turn_credit`); None: one reward per row.
     verifier_rewards_b: the verifier's unweighted correctness part (the composer's `correct`),
     which a learned reward's agreement metric compares with (None: `rewards_b` serves).
+    routes_btlk: int8/int16 [B, T, L, k], the sampler's experts of every token per MoE layer
+    (prompt from the prefill, completion from decode; -1 where it recorded none: padding, a row's
+    last token), which every trainer forward replays with `algorithm.routing_replay = "rollout"`
+    (`rljax.models.moe`; None: replay off). B * T * L * k * itemsize bytes.
     """
 
     tokens_bt: jax.Array
@@ -66,6 +70,7 @@ class RolloutBatch:
     old_values_bt: jax.Array | None = None
     turn_returns: TurnReturns | None = None
     verifier_rewards_b: jax.Array | None = None
+    routes_btlk: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -83,6 +88,7 @@ class PreparedBatch:
     tokens a `mask_kl` correction zeroed, for its KL term. Per mini-batch, set by the update
     step's token controls (`rljax.update.controls`): select_bt, the policy loss's selected tokens
     (Clip-Cov, KL-Cov); entropy_keep_bt, the high-entropy tokens that keep the policy loss.
+    routes_btlk: the rollout's routing record, replayed by the loss's forward (routing replay).
     """
 
     tokens_bt: jax.Array
@@ -100,6 +106,7 @@ class PreparedBatch:
     correction_kl_bt: jax.Array | None = None
     select_bt: jax.Array | None = None
     entropy_keep_bt: jax.Array | None = None
+    routes_btlk: jax.Array | None = None
 
 
 def state_values(cfg, value_params, tokens_bt, attn_mask_bt, *, remat: bool = False, unroll: bool = False):
@@ -111,6 +118,11 @@ def state_values(cfg, value_params, tokens_bt, attn_mask_bt, *, remat: bool = Fa
 # Needs the rollout itself must provide, by the `RolloutBatch` field that carries each (values
 # and reference log-probs are scored by `prepare_batch` from the train state instead).
 ROLLOUT_FIELDS = {"greedy_baseline": "baseline_rewards_b"}
+
+
+def replayed_routes(routes_btlk):
+    """A routing record [B, T, L, k] as the model's `routes_lbtk` (int32 [L, B, T, k]), or None."""
+    return None if routes_btlk is None else routes_btlk.astype(jnp.int32).transpose(2, 0, 1, 3)
 
 
 def rows(tree: Any, n: int):

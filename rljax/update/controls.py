@@ -32,29 +32,33 @@ import jax.numpy as jnp
 from rljax.models import token_logprobs
 from rljax.objectives.entropy_control import entropy_quantile_mask, token_covariance
 from rljax.objectives.registry import POLICY_LOSSES
-from rljax.update.batch import PreparedBatch
+from rljax.update.batch import PreparedBatch, replayed_routes
 
 sg = jax.lax.stop_gradient
 
 SELECTION_STREAM = 0x7FFFFFFF  # folded into the mini-batch key: a stream LoRA dropout never uses
 
 
-def score_rows(cfg, params, tokens_bt, attn_mask_bt, *, chunks: int, update_cfg, with_entropy: bool):
+def score_rows(cfg, params, tokens_bt, attn_mask_bt, *, chunks: int, update_cfg, with_entropy: bool,
+               routes_btlk=None):
     """(log-probs [B, T], entropies [B, T] or None) of `params` on the rows, in `chunks` row
-    blocks (lax.map: one block's activations at a time), without gradients."""
+    blocks (lax.map: one block's activations at a time), without gradients. `routes_btlk`: a
+    routing record to replay (routing replay)."""
     b, t = tokens_bt.shape
     lp_chunks = update_cfg.chunk_for(b // chunks, t, cfg.vocab_size)
+    rows = (tokens_bt, attn_mask_bt) if routes_btlk is None else (tokens_bt, attn_mask_bt, routes_btlk)
 
-    def one(toks, attn):
+    def one(toks, attn, *routes):
         logp, ent = token_logprobs(cfg, params, toks, attn, with_entropy=with_entropy, chunk_size=lp_chunks.time,
-                                   vocab_chunk=lp_chunks.vocab)[:2]
+                                   vocab_chunk=lp_chunks.vocab,
+                                   routes_lbtk=replayed_routes(*routes) if routes else None)[:2]
         return logp, (jnp.zeros_like(logp) if ent is None else ent)
 
     if chunks == 1:
-        logp, ent = one(tokens_bt, attn_mask_bt)
+        logp, ent = one(*rows)
     else:
         split = lambda x: x.reshape(chunks, b // chunks, *x.shape[1:])  # noqa: E731
-        logp, ent = jax.lax.map(lambda xs: one(*xs), (split(tokens_bt), split(attn_mask_bt)))
+        logp, ent = jax.lax.map(lambda xs: one(*xs), tuple(split(x) for x in rows))
         logp, ent = logp.reshape(b, t), ent.reshape(b, t)
     return sg(logp), (sg(ent) if with_entropy else None)
 
@@ -80,7 +84,7 @@ def token_controls(state, trainable, mb: PreparedBatch, mb_key, *, chunks: int,
     if logp_bt is None or need_entropy:
         policy, _ = state.models(trainable)
         logp_bt, ent = score_rows(state.model_cfg, policy, mb.tokens_bt, mb.attn_mask_bt, chunks=chunks,
-                                  update_cfg=state.update_cfg, with_entropy=need_entropy)
+                                  update_cfg=state.update_cfg, with_entropy=need_entropy, routes_btlk=mb.routes_btlk)
     on = mask > 0
     n = jnp.sum(on).astype(jnp.float32)
     one = jnp.ones((), jnp.float32)

@@ -22,7 +22,7 @@ from rljax.objectives.kl import kl
 from rljax.objectives.losses import value_loss
 from rljax.objectives.registry import DISTILLATION, POLICY_LOSSES
 from rljax.objectives.rollout_correction import mask_kl_penalty
-from rljax.update.batch import PreparedBatch, state_values
+from rljax.update.batch import PreparedBatch, replayed_routes, state_values
 from rljax.update.config import UpdateConfig
 from rljax.update.moe_terms import router_terms
 from rljax.update.packing import Slab
@@ -60,7 +60,10 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     `select_bt` goes to a selecting policy loss (Clip-Cov, KL-Cov), its `entropy_keep_bt`
     multiplies the policy loss (the high-entropy tokens keep it, the others stay in the
     denominator, as in TRL), and a `mask_kl` correction adds off_policy_kl_coef x the aggregated
-    1/2 (log pi - log mu)^2 on the tokens it zeroed (`rljax.objectives.rollout_correction`)."""
+    1/2 (log pi - log mu)^2 on the tokens it zeroed (`rljax.objectives.rollout_correction`).
+
+    Routing replay: a batch carrying `routes_btlk` runs its forward (packed or not) with those
+    experts; the routing metrics then compare the trainer's own top-k with the record."""
     params, value_params = trainable if models is None else models(trainable)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
@@ -76,7 +79,8 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         logp, ent, *h_s = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
                                          chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
                                          unroll=update_cfg.layers_unrolled(), return_hidden=distill_loss,
-                                         return_routing=cfg.moe is not None)
+                                         return_routing=cfg.moe is not None,
+                                         routes_lbtk=replayed_routes(batch.routes_btlk))
         routing = h_s.pop() if cfg.moe is not None else None
     else:
         if cfg.moe is not None and (algo.router_aux_coef or algo.router_z_coef):
@@ -86,7 +90,8 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         lp_chunks = update_cfg.chunk_for(slab.buffers, slab.plan.pack_length, cfg.vocab_size)
         logp, ent, v_bt = slab.scores(cfg, params, value_params if algo.uses_values else None, batch.tokens_bt,
                                       batch.attn_mask_bt, with_entropy=with_entropy, chunks=lp_chunks,
-                                      remat=update_cfg.remat, unroll=update_cfg.layers_unrolled())
+                                      remat=update_cfg.remat, unroll=update_cfg.layers_unrolled(),
+                                      routes_btlk=batch.routes_btlk)
         m = m * slab.rows()[:, None].astype(m.dtype)
     selected = {} if batch.select_bt is None else dict(select_bt=batch.select_bt, kl_cov_coef=algo.kl_cov_coef)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(

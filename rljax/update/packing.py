@@ -106,6 +106,16 @@ def packed_inputs(plan: PackPlan, tokens_bt, positions_bt, attn_mask_bt, first, 
             scatter(attn_mask_bt.astype(bool), False), scatter(rows_bt, -1))
 
 
+def packed_routes(plan: PackPlan, routes_btlk, attn_mask_bt, first, buffers: int):
+    """A routing record [B, T, L, k] moved with its tokens into buffers [first, first + buffers):
+    [buffers, pack_length, L, k], -1 (route by the router's own top-k) on the empty slots."""
+    b, t = attn_mask_bt.shape
+    buf_bt, slot_bt, inside = _slots(plan, t, first, buffers)
+    buf_bt = jnp.where(inside & attn_mask_bt.astype(bool), buf_bt, buffers)  # out of range: dropped
+    empty = jnp.full((buffers, plan.pack_length, *routes_btlk.shape[2:]), -1, routes_btlk.dtype)
+    return empty.at[buf_bt, slot_bt].set(routes_btlk, mode="drop")
+
+
 def unpack(plan: PackPlan, x_nl, first, t: int):
     """Per-token outputs of buffers [first, first + n) back to the padded rows, [B, T]; 0 where
     a column is not in those buffers. Differentiable (a gather)."""
@@ -142,19 +152,24 @@ class Slab:
         return rows_in(self.plan, self.first, self.buffers)
 
     def scores(self, cfg, params, value_params, tokens_bt, attn_mask_bt, *, with_entropy: bool, chunks,
-               remat: bool, unroll: bool):
+               remat: bool, unroll: bool, routes_btlk=None):
         """(log-probs, entropy or None, state values or None), each [B, T] on the padded rows (0 off
         this slab's rows), from one forward over the slab's buffers. A row's first real token is
         scored from the previous row's last token in its buffer; it is a prompt token (outside
-        any loss mask), as in the padded layout, where it is scored from padding."""
+        any loss mask), as in the padded layout, where it is scored from padding. `routes_btlk`:
+        a routing record, packed with its tokens and replayed by the policy's forward."""
         from rljax.models import default_positions, token_logprobs, values
 
         t = tokens_bt.shape[1]
         toks, pos, mask, seg = packed_inputs(self.plan, tokens_bt, default_positions(attn_mask_bt), attn_mask_bt,
                                              self.first, self.buffers)
+        routes = None
+        if routes_btlk is not None:
+            routes = packed_routes(self.plan, routes_btlk, attn_mask_bt, self.first, self.buffers)
+            routes = routes.astype(jnp.int32).transpose(2, 0, 1, 3)
         logp_nl, ent_nl = token_logprobs(cfg, params, toks, mask, pos, with_entropy=with_entropy,
                                          chunk_size=chunks.time, vocab_chunk=chunks.vocab, remat=remat, unroll=unroll,
-                                         segment_ids_bt=seg)
+                                         segment_ids_bt=seg, routes_lbtk=routes)
         back = lambda x_nl: unpack(self.plan, x_nl, self.first, t)  # noqa: E731
         state_v = None
         if value_params is not None:

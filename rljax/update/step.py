@@ -35,7 +35,7 @@ from rljax.objectives.entropy_control import adaptive_entropy_coef
 from rljax.objectives.shaping import RewardShaping
 from rljax.optim import OptimConfig, make_optimizer, make_schedule
 from rljax.sharding import Layout, sync_weights
-from rljax.update.advantages import prepare_batch
+from rljax.update.advantages import check_routing_replay, prepare_batch
 from rljax.update.batch import RolloutBatch, rows
 from rljax.update.config import UpdateConfig
 from rljax.update.controls import fast_logp, token_controls
@@ -138,6 +138,7 @@ def init_train_state(model_cfg: ModelConfig, params: Params, algo: AlgorithmConf
     needs a `teacher` (`FrozenModel`), which is held as it comes (load it in the layout)."""
     key = key if key is not None else jax.random.key(0)
     lora = lora if lora is not None and lora.enabled else None
+    check_routing_replay(model_cfg, algo)
     if algo.needs.teacher_logp and teacher is None:
         raise ConfigError(f"algorithm.distill={algo.distill!r} grades samples with a teacher: pass teacher= (a run "
                           "loads it from teacher.checkpoint)")

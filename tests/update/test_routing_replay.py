@@ -1,0 +1,210 @@
+"""Routing replay (`algorithm.routing_replay = "rollout"`, R3): the static sampler records every
+token's experts per layer, the rollout carries the record in the `RolloutBatch`, and every trainer
+forward of those tokens (old and reference log-probs, the update, packed or not) computes each
+token with them, the gates still from the trainer's router.
+
+The model: 2 MoE layers of 4 experts, top-2, hidden 32, vocabulary 64. The near-tie variant gives
+every expert's router column the same large part plus 1% of its own, so a bf16 sampler and an f32
+trainer rank the experts differently on a share of the tokens."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rljax.models as M
+from rljax.errors import ConfigError
+from rljax.models.moe_config import MoEConfig
+from rljax.models.transformer import hidden_states_and_routes
+from rljax.objectives import AlgorithmConfig
+from rljax.optim import OptimConfig
+from rljax.rewards.base import Rewards
+from rljax.sampling import SampleControls
+from rljax.stages.rollout import rollout
+from rljax.train.config import load_config
+from rljax.update import init_train_state, prepare_batch
+from rljax.update.batch import replayed_routes
+from rljax.update.loss import aggregation_denominator, microbatch_loss
+from rljax.update.packing import Slab, pack_rows
+
+CFG = M.preset("qwen2-test", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8,
+               moe=MoEConfig(num_experts=4, top_k=2, expert_size=32))
+BF16 = CFG.replace(compute_dtype="bfloat16")
+G, P, N, SAMPLES = 4, 8, 8, 2
+CONTROLS = SampleControls(max_new_tokens=N, num_samples=SAMPLES, eos_ids=(3,), pad_id=0, decode_phases=1)
+REPLAY = AlgorithmConfig(algorithm="grpo", kl_coef=0.0, recompute_old_logp=True, routing_replay="rollout")
+OFF = REPLAY.replace(routing_replay="off")
+
+
+def _params(near_tie: bool):
+    params = M.init_params(CFG, jax.random.key(0), std=0.3)
+    if near_tie:
+        r = params["layers"]["router"]
+        params["layers"]["router"] = r[..., :1] + 0.01 * r
+    return params
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    mask = np.ones((G, P), bool)
+    mask[1, :3] = False  # left padding
+    mask[3, :5] = False
+    return jnp.asarray(np.where(mask, rng.integers(4, CFG.vocab_size, (G, P)), 0), jnp.int32), jnp.asarray(mask)
+
+
+def _reward(tokens_bt, mask_bt, index_b):
+    total = ((tokens_bt[:, 0] % 2) == 0).astype(jnp.float32) * mask_bt[:, 0]
+    return Rewards(total, {"even": total}, jnp.zeros(total.shape, bool))
+
+
+@functools.cache
+def _batch(near_tie: bool, sampler_dtype: str):
+    """One rollout of G prompts x 2 samples with the record (`needs.routes`), by a sampler in
+    `sampler_dtype` compute."""
+    cfg = BF16 if sampler_dtype == "bfloat16" else CFG
+    tokens, mask = _prompts()
+    run = jax.jit(lambda p, k: rollout(cfg, p, tokens, mask, jnp.arange(G), k, controls=CONTROLS,
+                                       reward_callback=_reward, num_groups=G, needs=REPLAY.needs)[0])
+    return run(_params(near_tie), jax.random.key(1))
+
+
+def _state(algo, near_tie=False):
+    return init_train_state(CFG, _params(near_tie), algo, OptimConfig(learning_rate=1e-2))
+
+
+_prepare = jax.jit(prepare_batch)
+
+
+@jax.jit
+def _routing(params, batch):
+    """The f32 trainer's routing of the batch's tokens: (own, replaying the batch's record)."""
+    run = lambda routes: hidden_states_and_routes(CFG, params, batch.tokens_bt, attn_mask_bt=batch.attn_mask_bt,  # noqa: E731
+                                                  routes_lbtk=routes)[1]
+    return run(None), run(replayed_routes(batch.routes_btlk))
+
+
+def test_sampler_records_the_teacher_forced_routes():
+    """f32: the record equals an independent teacher-forced forward's own top-k (same experts, same
+    order) at every prompt and completion token it covers, in int8 [B, T, L, k]; it covers every
+    real token but possibly a row's last (never fed back; it scores nothing) and is -1 on padding."""
+    batch = _batch(False, "float32")
+    rec = np.asarray(batch.routes_btlk)
+    assert rec.dtype == np.int8 and rec.shape == (*batch.tokens_bt.shape, CFG.num_layers, 2)
+    aux, _ = _routing(_params(False), batch)
+    own = np.asarray(aux.routes_btk).transpose(1, 2, 0, 3)
+    attn = np.asarray(batch.attn_mask_bt)
+    covered = rec[..., 0] >= 0
+    last = np.zeros_like(attn)
+    last[np.arange(attn.shape[0]), attn.shape[1] - 1 - np.argmax(attn[:, ::-1], axis=1)] = True
+    assert not covered[~attn].any() and (rec[~attn] == -1).all()
+    assert covered[attn & ~last].all()  # every prompt token, every fed completion token
+    assert covered[:, :P].sum() == attn[:, :P].sum() * CFG.num_layers  # the prefill's record is whole
+    np.testing.assert_array_equal(rec[covered], own[covered])
+
+
+def test_replay_closes_the_bf16_sampler_f32_trainer_gap():
+    """Near-tied routers: the bf16 sampler's record and the f32 trainer's own top-k disagree on a
+    share of the token-layers; with replay the trainer computes every covered token with the
+    recorded experts, `update/logp_diff_mean` and `_max` (trainer against sampler, over the
+    completion tokens, from `prepare_batch`) fall; a completion-only record leaves the gap open."""
+    batch = _batch(True, "bfloat16")
+    params = _params(True)
+    rec = np.asarray(batch.routes_btlk)
+    covered = rec[..., 0] >= 0
+    own, used = _routing(params, batch)
+    same = (np.sort(np.asarray(own.routes_btk).transpose(1, 2, 0, 3), -1) == np.sort(rec, -1)).all(-1)
+    disagree = 1.0 - same[covered].mean()
+    np.testing.assert_array_equal(np.asarray(used.routes_btk).transpose(1, 2, 0, 3)[covered], rec[covered])
+    _, m_off = _prepare(_state(OFF, near_tie=True), batch.replace(routes_btlk=None))
+    _, m_on = _prepare(_state(REPLAY, near_tie=True), batch)
+    print(f"\nbf16 sampler / f32 trainer, near-tied routers: own routes disagree on {disagree:.1%} of token-layers; "
+          f"logp_diff mean {float(m_off['update/logp_diff_mean']):.4f} -> {float(m_on['update/logp_diff_mean']):.4f}, "
+          f"max {float(m_off['update/logp_diff_max']):.4f} -> {float(m_on['update/logp_diff_max']):.4f}")
+    assert disagree > 0.05
+    assert float(m_on["update/logp_diff_mean"]) < 0.2 * float(m_off["update/logp_diff_mean"])
+    assert float(m_on["update/logp_diff_max"]) < 0.2 * float(m_off["update/logp_diff_max"])
+    # the completion-only record (prompt routes dropped: the trainer's own there) leaves a gap
+    prompt_dropped = batch.routes_btlk.at[:, :P].set(-1)
+    _, m_part = _prepare(_state(REPLAY, near_tie=True), batch.replace(routes_btlk=prompt_dropped))
+    print(f"completion-only record: logp_diff mean {float(m_part['update/logp_diff_mean']):.4f}")
+    assert float(m_part["update/logp_diff_mean"]) > 2 * float(m_on["update/logp_diff_mean"])
+
+
+def test_a_wrong_record_changes_the_trainer_logprobs():
+    """f32, where the record equals the trainer's own routes: replaying it gives the log-probs
+    without replay (1e-6); a record with every expert id shifted by one, or only the prompt's,
+    moves the completion tokens' log-probs (the prompt's record is read too)."""
+    batch = _batch(False, "float32")
+    state = _state(REPLAY)
+    loss = np.asarray(batch.loss_mask_bt)
+
+    def old_logp(routes):
+        return np.asarray(_prepare(state, batch.replace(routes_btlk=routes))[0].old_logp_bt)[loss]
+
+    rec = batch.routes_btlk
+    shift = lambda r: jnp.where(r >= 0, (r + 1) % 4, r).astype(r.dtype)  # noqa: E731
+    plain = np.asarray(_prepare(_state(OFF), batch.replace(routes_btlk=None))[0].old_logp_bt)[loss]
+    np.testing.assert_allclose(old_logp(rec), plain, atol=1e-6)
+    assert np.abs(old_logp(shift(rec)) - plain).max() > 0.1
+    assert np.abs(old_logp(rec.at[:, :P].set(shift(rec[:, :P]))) - plain).max() > 1e-3
+
+
+def test_packed_microbatches_replay_like_the_padded_one():
+    """A shifted record (which moves the log-probs by > 0.1: the test above): the loss and
+    gradients of the mini-batch in two packed micro-batches (`rljax.update.packing`: the record
+    moves with its tokens) equal the padded micro-batch's within 1e-5 (a packed forward that
+    dropped the record would route by the trainer's own top-k). The padded micro-batch's
+    `moe/route_agreement` is the share of real token-layers where the trainer's own top-k in the
+    replayed forward is the set it used, and the router's gradient is not zero: it trains
+    through the gates, the experts being fixed by the record."""
+    batch = _batch(False, "float32")
+    batch = batch.replace(routes_btlk=jnp.where(batch.routes_btlk >= 0, (batch.routes_btlk + 1) % 4,
+                                                batch.routes_btlk).astype(batch.routes_btlk.dtype))
+    state = _state(REPLAY.replace(recompute_old_logp=False))
+    prepared, _ = _prepare(state, batch)
+    den = aggregation_denominator(prepared, state.algo, N)
+    kw = dict(cfg=CFG, algo=state.algo, update_cfg=state.update_cfg, norm_length=N)
+    plan = pack_rows(prepared.attn_mask_bt, prepared.loss_mask_bt, prepared.tokens_bt.shape[1])
+    per = -(-int(plan.num_buffers) // 2)
+
+    @jax.jit
+    def loss_and_grads(prepared, first):
+        slab = None if first is None else Slab(plan, first, per)
+        share = 1.0 if first is None else 0.5
+        return jax.value_and_grad(microbatch_loss, has_aux=True)(state.trainable, prepared, den, share=share,
+                                                                  slab=slab, **kw)
+
+    (l_pad, (pairs, _)), g_pad = loss_and_grads(prepared, None)
+    packed = [loss_and_grads(prepared, jnp.asarray(i * per)) for i in range(2)]
+    l_pack = sum(float(p[0][0]) for p in packed)
+    g_pack = jax.tree.map(jnp.add, packed[0][1], packed[1][1])
+    np.testing.assert_allclose(l_pack, float(l_pad), atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g_pack, g_pad)
+    assert float(jnp.abs(g_pad[0]["layers"]["router"]).max()) > 0
+    _, used = _routing(_params(False), batch)
+    agree = (np.sort(np.asarray(used.own_routes_btk), -1) == np.sort(np.asarray(used.routes_btk), -1)).all(-1)
+    agreement = pairs["moe/route_agreement"]
+    np.testing.assert_allclose(float(agreement[0] / agreement[1]),
+                               agree.transpose(1, 2, 0)[np.asarray(batch.attn_mask_bt)].mean(), atol=1e-6)
+    assert float(agreement[0] / agreement[1]) < 0.5 and "moe/expert_load" in pairs
+
+
+def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
+    """One line each: replay on a dense model, a batch without a record, an unknown mode, a
+    sampler or run setting that keeps no record; the MoE recipe turns replay on."""
+    dense = M.preset("qwen2-test")
+    with pytest.raises(ConfigError, match="dense model: set algorithm.routing_replay='off'"):
+        init_train_state(dense, M.init_params(dense, jax.random.key(0)), REPLAY, OptimConfig())
+    with pytest.raises(ConfigError, match="batch.routes_btlk is None"):
+        prepare_batch(_state(REPLAY), _batch(False, "float32").replace(routes_btlk=None))
+    with pytest.raises(ConfigError, match="routing_replay"):
+        AlgorithmConfig(routing_replay="trainer")
+    with pytest.raises(ConfigError, match="static scheduler only"):
+        SampleControls(max_new_tokens=4, scheduler="continuous", record_routes=True)
+    with pytest.raises(ConfigError, match="which sampling.scheduler='continuous' does not keep"):
+        load_config("moe_default", ["sampling.scheduler=continuous"])
+    assert load_config("moe_default").algorithm.needs.routes
