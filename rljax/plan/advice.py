@@ -10,10 +10,16 @@ Candidates, in the order tried (each alone, then all together):
     mesh.context = 2, 4, ... (fsdp / 2 ..) rows of >= 4,096 tokens: each row's tokens split over
                                           the context axis (`rljax.models.context_parallel`); the
                                           first that fits is the smallest CP degree that does
+    mesh.context = C / 2, C / 4, ... 1    a recipe with a context axis of C: devices given back to
+                                          fsdp (the params are replicated over context, so each
+                                          halving of C halves the state); the first that fits is
+                                          the largest CP degree that does
     mesh: every device on fsdp            params, optimiser state and reference split further
     update.logprob_chunk = chunk / 4      the [rows, chunk, vocab] logits of the scoring pass
 
-The first candidate whose plan fits is the advice; when none fits, the smallest plan is named.
+The first candidate whose plan fits is the advice; when none fits, the smallest plan is named
+(when the train state alone does not fit: the first candidate whose state fits, else the smallest
+state).
 Update-only candidates recompile only the update program (the sampler's is reused). When the base
 plan compiled the one-program iteration, a candidate's peak is its stage peak plus what the one
 program held beyond the base's stages (`MemoryPlan.peak_bytes` minus the stage formula), so each
@@ -117,6 +123,12 @@ def candidates(cfg: RunConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
         yield Candidate(f"mesh.context={context} mesh.fsdp={fsdp // cp}",
                         _with(cfg, "mesh", context=context, fsdp=fsdp // cp), False)
         cp *= 2
+    context = cfg.mesh.context
+    while context > 1 and context % 2 == 0:  # a context axis given back to fsdp, halving at a time
+        context //= 2
+        more = fsdp * cfg.mesh.context // context
+        yield Candidate(f"mesh.context={context} mesh.fsdp={more}", _with(cfg, "mesh", context=context, fsdp=more),
+                        False)
     if data > 1:
         yield Candidate(f"mesh.data=1 mesh.fsdp={data * fsdp}", _with(cfg, "mesh", data=1, fsdp=data * fsdp), False)
     chunk = min(u.chunk_for(rows // u.num_microbatches, time, model_cfg.vocab_size).time, time)  # steps per chunk
@@ -143,6 +155,8 @@ def advise(cfg: RunConfig, limit_bytes: int, device: str, *, model_cfg: ModelCon
         for cand in candidates(cfg, model_cfg):
             if not cand.update_only:
                 size = state_memory(cand.cfg, model_cfg, tokenizer=tokenizer).total_bytes
+                if size <= limit_bytes:  # the first whose state fits, as for the programs below
+                    return Advice(device, limit_bytes, state.total_bytes, "the train state", cand.setting, size)
                 if best is None or size < best[1]:
                     best = (cand.setting, size)
         return Advice(device, limit_bytes, state.total_bytes, "the train state",

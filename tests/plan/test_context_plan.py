@@ -90,3 +90,24 @@ def test_a_layout_without_context_clears_the_context_mesh():
 def _no_mesh_left():
     yield
     jax.set_mesh(None)  # the next module starts without this module's context mesh
+
+
+def test_advice_gives_context_back_to_fsdp_when_the_state_does_not_fit():
+    """A recipe with context = 8 x fsdp = 1 replicates the params over context; with the device
+    memory at 3/4 of that state, the advice (`rljax.plan.advice`) names the largest CP degree
+    whose state fits, context = 4 x fsdp = 2 (half the state), in its one line. Shapes only, no compile. Catches: advice that only raises the CP degree ("no setting
+    tried helps", as for Qwen2.5-7B at C = 8 on an H100: 85.1 GiB of f32 state), or that names the
+    smallest state (context = 1) instead of the first candidate that fits."""
+    from rljax.plan.advice import advise
+    from rljax.plan.memory import state_memory
+
+    shape = CP[:8] + ["model.hidden_size=256", "model.intermediate_size=512"]
+    cfg = load_config("default", [*shape, "mesh.fsdp=1", "mesh.context=8"])
+    state = state_memory(cfg)
+    half = state_memory(load_config("default", [*shape, "mesh.fsdp=2", "mesh.context=4"]))
+    assert 1.9 < state.total_bytes / half.total_bytes <= 2.0
+    limit = int(0.75 * state.total_bytes)
+    advice = advise(cfg, limit, "test device")
+    assert (advice.stage, advice.setting, advice.setting_bytes) == (
+        "the train state", "mesh.context=4 mesh.fsdp=2", half.total_bytes)
+    assert not advice.fits and "set mesh.context=4 mesh.fsdp=2 (train state:" in advice.line()
