@@ -12,11 +12,13 @@ weight-0 part named `AUDIT_PART`):
   reward being lenient ("To calculate 39 - 67, ..." ends in 67). A gold that is not a plain value
   (an expression, a set) must equal the span's right-hand side as text, spaces aside.
 - `ExactValue`: the answer span's final statement (what follows its last ``=`` or "is", as the
-  reward judges it) is a bare number (sign, ASCII digits, thousands commas, decimals; a trailing
-  period aside) equal to the gold value: stricter than the value form, which allows unit words and
-  fractions, so its accuracy is a floor under the reward's. It refuses prose whose last number
-  happens to be the answer ("To calculate 0 * 6, you multiply 0 by itself,"), which `LastNumber`
-  counts.
+  reward judges it, up to where that sentence ends, quotes and brackets aside) is a bare number
+  (sign, ASCII digits, thousands commas, decimals) equal to the gold value, and no digit follows
+  it: stricter than the value form, which allows unit words and fractions. It refuses prose whose
+  last number happens to be the answer ("To calculate 0 * 6, you multiply 0 by itself,"), which
+  `LastNumber` counts. Reading to the sentence's end matters on short budgets: a reply cut after
+  its answer ("(93 + 35) = 128. So it") states the answer, and an audit that refused it flagged
+  honest rows (a real run's agreement sat at 50-86% in its first iterations for that alone).
 - `GymExact`: the reasoning-gym task's own scorer gives full marks (its partial credit for
   containing the answer does not count).
 
@@ -81,18 +83,34 @@ class LastNumber(_ValueAudit):
 
 
 _BARE_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
+# where a statement ends: a sentence mark or semicolon followed by a space, or a line break
+_SENTENCE_END = re.compile(r"[.;!?](?:\s|$)|\n")
+_WRAPPING = "\"'`*()[] "
+
+
+def stated_number(span: str) -> str:
+    """The answer as the audit reads it: the final statement (`judged_part`), up to where its
+    sentence ends, without wrapping quotes, brackets or emphasis: "(93 + 35) = 128. So it" states
+    "128", 'Using a calculator, "4 + 6 = 10"' states "10"; "10 independent, self" states "10
+    independent, self" (no bare number)."""
+    said = judged_part(span).replace("\u2212", "-")
+    return _SENTENCE_END.split(said, maxsplit=1)[0].strip(_WRAPPING).rstrip(".").strip(_WRAPPING)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExactValue(_ValueAudit):
-    """Audit: 1.0 when the answer span's final statement is a bare number equal to the gold value."""
+    """Audit: 1.0 when the answer span's final statement (`stated_number`) is a bare number equal to
+    the gold value, and no digit follows it in the span (a second number after the sentence, as in
+    "12. 13 14", is not one answer)."""
 
     name: str = "exact_value"
 
     @staticmethod
     def judge(span: str, value: Fraction) -> bool:
-        said = judged_part(span).rstrip(".").strip().replace("\u2212", "-")
-        return _BARE_NUMBER.fullmatch(said) is not None and Fraction(said.replace(",", "")) == value
+        said = stated_number(span)
+        rest = judged_part(span).replace("\u2212", "-").split(said, 1)[-1] if said else ""
+        return (_BARE_NUMBER.fullmatch(said) is not None and not re.search(r"\d", rest, re.ASCII)
+                and Fraction(said.replace(",", "")) == value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,21 @@ def test_exact_value_wants_a_bare_number_as_the_final_statement():
     assert audit({"answer": "x^2+1"}, "y = x^2 + 1")[0] == 1.0 and audit({"answer": "x^2+1"}, "x^2+2")[0] == 0.0
 
 
+def test_exact_value_reads_the_statement_up_to_its_sentence_end():
+    """The replies a real run's audit disputed though they state the answer (smollm2_arith, seed 1,
+    iterations 1-2: a 16-token budget cuts the reply after its answer) now agree; a second number
+    after the sentence, an "or", or words inside the statement are still refused. Fails if the
+    audit judged the whole final statement (the first three are refused) or only its first number
+    ("12. 13 14", "-28; -29" pass)."""
+    audit = ExactValue(methods=("final_line",))
+    agreed = [("128", "(93 + 35) = 128. So it"), ("10", 'Using a calculator, "4 + 6 = 10"'), ("56", "**56**"),
+              ("1234", "The sum is 1,234."), ("3.5", "x = 3.5; done")]
+    refused = [("10", "To be concise, 4 + 6 = 10 independent, self"), ("12", "12. 13 14"), ("-28", "-28; -29"),
+               ("5", "The answer is 5 or 6"), ("5", "5. Or 6."), ("0", "0 apples")]
+    assert [c for g, c in agreed if audit({"answer": g}, c)[0] != 1.0] == []
+    assert [c for g, c in refused if audit({"answer": g}, c)[0] != 0.0] == []
+
+
 def test_audit_agreement_equals_numpy_count_on_a_fooled_batch():
     """``reward/audit_agreement`` is #(reward correct and audit correct) / #(reward correct),
     computed here with NumPy from the rows' known labels; the fooled rows are exactly the ones the
