@@ -18,7 +18,7 @@ weight-0 part named `AUDIT_PART`):
   last number happens to be the answer ("To calculate 0 * 6, you multiply 0 by itself,"), which
   `LastNumber` counts. Reading to the sentence's end matters on short budgets: a reply cut after
   its answer ("(93 + 35) = 128. So it") states the answer, and an audit that refused it flagged
-  honest rows (a real run's agreement sat at 50-86% in its first iterations for that alone).
+  honest rows (2 of the 3 disputed rows a real run logged in its first iterations were such).
 - `GymExact`: the reasoning-gym task's own scorer gives full marks (its partial credit for
   containing the answer does not count).
 
