@@ -12,13 +12,16 @@ weight-0 part named `AUDIT_PART`):
   reward being lenient ("To calculate 39 - 67, ..." ends in 67). A gold that is not a plain value
   (an expression, a set) must equal the span's right-hand side as text, spaces aside.
 - `ExactValue`: the answer span's final statement (what follows its last ``=`` or "is", as the
-  reward judges it, up to where that sentence ends, quotes and brackets aside) is a bare number
-  (sign, ASCII digits, thousands commas, decimals) equal to the gold value, and no digit follows
-  it: stricter than the value form, which allows unit words and fractions. It refuses prose whose
-  last number happens to be the answer ("To calculate 0 * 6, you multiply 0 by itself,"), which
-  `LastNumber` counts. Reading to the sentence's end matters on short budgets: a reply cut after
-  its answer ("(93 + 35) = 128. So it") states the answer, and an audit that refused it flagged
-  honest rows (2 of the 3 disputed rows a real run logged in its first iterations were such).
+  reward judges it, up to where that sentence ends, quotes and brackets aside) holds exactly one
+  number, in ASCII digits, equal to the gold value, with no operation and at most three words
+  beside it ("still 7", "8 remains the answer"), and no digit follows it: a plain regex, stricter
+  than the value form in how a value may be written (no fractions, percentages, LaTeX or spelled
+  numbers). It refuses prose whose last number happens to be the answer ("To calculate 0 * 6, you
+  multiply 0 by itself,": three numbers), which `LastNumber` counts. Reading one statement to its
+  sentence's end, words allowed, matters on short budgets: a real run's first version of this
+  audit wanted a bare number and disputed 8 of the rows the reward called correct in 9
+  iterations, every one an answer with words or a cut sentence after it ("(93 + 35) = 128. So it",
+  "4 + 3 is still 7.").
 - `GymExact`: the reasoning-gym task's own scorer gives full marks (its partial credit for
   containing the answer does not count).
 
@@ -82,35 +85,43 @@ class LastNumber(_ValueAudit):
         return last_number(span) == value
 
 
-_BARE_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
+_NUMBER = re.compile(r"(?<![\w.,])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\w])", re.ASCII)
+_OPERATION = re.compile(r"[+*/^=<>×÷]|\\|(?<=\d)\s*-\s*(?=\d)")
+_WORD = re.compile(r"[^\W\d_]+")
 # where a statement ends: a sentence mark or semicolon followed by a space, or a line break
 _SENTENCE_END = re.compile(r"[.;!?](?:\s|$)|\n")
 _WRAPPING = "\"'`*()[] "
+MAX_WORDS = 3
 
 
-def stated_number(span: str) -> str:
+def statement(span: str) -> str:
     """The answer as the audit reads it: the final statement (`judged_part`), up to where its
     sentence ends, without wrapping quotes, brackets or emphasis: "(93 + 35) = 128. So it" states
-    "128", 'Using a calculator, "4 + 6 = 10"' states "10"; "10 independent, self" states "10
-    independent, self" (no bare number)."""
+    "128", 'Using a calculator, "4 + 6 = 10"' states "10", "4 + 3 is still 7." states "still 7"."""
     said = judged_part(span).replace("\u2212", "-")
     return _SENTENCE_END.split(said, maxsplit=1)[0].strip(_WRAPPING).rstrip(".").strip(_WRAPPING)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExactValue(_ValueAudit):
-    """Audit: 1.0 when the answer span's final statement (`stated_number`) is a bare number equal to
-    the gold value, and no digit follows it in the span (a second number after the sentence, as in
-    "12. 13 14", is not one answer)."""
+    """Audit: 1.0 when the answer span's final statement (`statement`) holds exactly one number,
+    written in ASCII digits and equal to the gold value, with no operation (+ - * / ^ = or LaTeX)
+    and at most `MAX_WORDS` words beside it, and no digit follows it in the span (a second number
+    after the sentence, as in "12. 13 14", is not one answer).
+
+    A plain regex, independent of the value form's parser (fractions, percentages, LaTeX, spelled
+    units), so a hole in one is unlikely to be a hole in the other; stricter in what a value may be
+    written as, equal in how many words may stand beside it."""
 
     name: str = "exact_value"
 
     @staticmethod
     def judge(span: str, value: Fraction) -> bool:
-        said = stated_number(span)
+        said = statement(span)
         rest = judged_part(span).replace("\u2212", "-").split(said, 1)[-1] if said else ""
-        return (_BARE_NUMBER.fullmatch(said) is not None and not re.search(r"\d", rest, re.ASCII)
-                and Fraction(said.replace(",", "")) == value)
+        numbers = _NUMBER.findall(said)
+        return (len(numbers) == 1 and not _OPERATION.search(said) and len(_WORD.findall(said)) <= MAX_WORDS
+                and not re.search(r"\d", rest, re.ASCII) and Fraction(numbers[0].replace(",", "")) == value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,28 +24,33 @@ def test_last_number_reads_the_reply_as_a_person_would():
     assert last_number("so 3.50.") == 3.5 and last_number("none") is None
 
 
-def test_exact_value_wants_a_bare_number_as_the_final_statement():
-    """The exact audit is stricter than the value form: prose whose last number is the answer, unit
-    words and fractions are refused; a bare number, after "=" or "is" or alone, is accepted."""
+def test_exact_value_wants_one_plain_number_in_the_final_statement():
+    """The exact audit wants one number in ASCII digits, no operation, at most three words: prose
+    whose last number is the answer, operations, fractions, several numbers and spelled numbers are
+    refused; a number after "=" or "is", alone or with a few words, is accepted."""
     audit = ExactValue(methods=("final_line",))
-    refused = ["To calculate 0 * 6, you simply multiply 0 by itself,", "The number 0 is a concept", "0 apples",
-               "0/1", "39 - 0", "zero"]
+    refused = ["To calculate 0 * 6, you simply multiply 0 by itself,", "The number 0 is a concept", "0/1", "39 - 0",
+               "zero", "0 0", "The result might well be 0", "7 x 0"]
     assert [c for c in refused if audit({"answer": "0"}, c)[0] != 0.0] == []
-    assert [c for c in ["0", "x = 0", "The answer is 0.", "-0", "Well\n0"] if audit({"answer": "0"}, c)[0] != 1.0] == []
+    accepted = ["0", "x = 0", "The answer is 0.", "-0", "Well\n0", "0 apples"]
+    assert [c for c in accepted if audit({"answer": "0"}, c)[0] != 1.0] == []
     assert audit({"answer": "x^2+1"}, "y = x^2 + 1")[0] == 1.0 and audit({"answer": "x^2+1"}, "x^2+2")[0] == 0.0
 
 
 def test_exact_value_reads_the_statement_up_to_its_sentence_end():
-    """The replies a real run's audit disputed though they state the answer (smollm2_arith, seed 1,
-    iterations 1-2: a 16-token budget cuts the reply after its answer) now agree; a second number
-    after the sentence, an "or", or words inside the statement are still refused. Fails if the
-    audit judged the whole final statement (the first three are refused) or only its first number
-    ("12. 13 14", "-28; -29" pass)."""
+    """Every row a real run's first, bare-number version of this audit disputed (smollm2_arith,
+    seed 1, iterations 1-9: the reward called them correct; a 16-token budget cuts replies after
+    their answer) states its answer and agrees now; a second number after the sentence, an "or",
+    an operation or too many words are still refused. Fails if the audit judged the whole final
+    statement as a bare number (the first group is refused), only its first number ("12. 13 14",
+    "-28; -29" pass), or allowed any number of words."""
     audit = ExactValue(methods=("final_line",))
-    agreed = [("128", "(93 + 35) = 128. So it"), ("10", 'Using a calculator, "4 + 6 = 10"'), ("56", "**56**"),
-              ("1234", "The sum is 1,234."), ("3.5", "x = 3.5; done")]
-    refused = [("10", "To be concise, 4 + 6 = 10 independent, self"), ("12", "12. 13 14"), ("-28", "-28; -29"),
-               ("5", "The answer is 5 or 6"), ("5", "5. Or 6."), ("0", "0 apples")]
+    agreed = [("128", "(93 + 35) = 128. So it"), ("10", 'Using a calculator, "4 + 6 = 10"'),
+              ("10", "To be concise, 4 + 6 = 10 independent, self"), ("8", "7 + 1 = 8 remains the answer"),
+              ("6", "4 + 2 = 6 \n\n4 + 2 = 6 Re"), ("134", "94 + 40 = 134. That's correct."), ("7", "4 + 3 is still 7."),
+              ("72", "60 + 12 is equal to 72. So, "), ("56", "**56**"), ("1234", "The sum is 1,234.")]
+    refused = [("12", "12. 13 14"), ("-28", "-28; -29"), ("5", "The answer is 5 or 6"), ("5", "5. Or 6."),
+               ("-28", "39-67"), ("56", "56 is the answer we were looking for")]
     assert [c for g, c in agreed if audit({"answer": g}, c)[0] != 1.0] == []
     assert [c for g, c in refused if audit({"answer": g}, c)[0] != 0.0] == []
 
