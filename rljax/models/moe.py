@@ -18,8 +18,8 @@ Routing replay (`routes_btk`): the experts are the given ones instead of the rou
 and the gates are the router's probabilities AT those experts (renormalised as the family does),
 so the router's weights still get gradients through the gates while every token's expert choice
 is the one the sampler made (R3, "routing replay"; verl, slime). A record entry of -1 (a token
-the sampler never fed back, or padding) routes that token by the router's own top-k. Dropless: every routed token is
-computed; nothing is capacity-dropped, as in the HF models.
+the sampler never fed back, or padding) routes that token by the router's own top-k. Dropless:
+every routed token is computed; nothing is capacity-dropped, as in the HF models.
 
 Contract of `moe_mlp` (for expert parallelism and the trainer):
 

@@ -82,8 +82,9 @@ _prepare = jax.jit(prepare_batch)
 @jax.jit
 def _routing(params, batch):
     """The f32 trainer's routing of the batch's tokens: (own, replaying the batch's record)."""
-    run = lambda routes: hidden_states_and_routes(CFG, params, batch.tokens_bt, attn_mask_bt=batch.attn_mask_bt,  # noqa: E731
-                                                  routes_lbtk=routes)[1]
+    def run(routes):
+        return hidden_states_and_routes(CFG, params, batch.tokens_bt, attn_mask_bt=batch.attn_mask_bt,
+                                        routes_lbtk=routes)[1]
     return run(None), run(replayed_routes(batch.routes_btlk))
 
 
