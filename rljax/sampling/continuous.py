@@ -63,9 +63,10 @@ import jax
 import jax.numpy as jnp
 
 from rljax.errors import ConfigError
-from rljax.models import ModelConfig, cache_slot_axes, init_cache, rope_table, unstack_layers
+from rljax.models import ModelConfig, cache_slot_axes, init_cache, prefill_cache, rope_table, unstack_layers
+from rljax.models.moe import route_dtype
 from rljax.sampling.controls import SampleControls, StaticControls
-from rljax.sampling.decode import SampleResult, bucket_length, row_keys, step_forward
+from rljax.sampling.decode import SampleResult, bucket_length, records_routes, row_keys, step_forward
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_slots, prefill_into_pool,
                                   record_step, slot_result)
 
@@ -90,6 +91,7 @@ class SlotState:
     pool: PromptPool
     decode_steps: jax.Array
     live_row_steps: jax.Array
+    routes_rnlk: Any = None  # `record_routes`: completion token j's experts, written by the step that feeds it
 
 
 # The drain (see the module docstring): once no row is pending and at most slots / 4 are running,
@@ -181,9 +183,15 @@ def _decode_step(cfg: ModelConfig, layer_params, state: SlotState, row_keys_r, m
                  *, spec: StaticControls) -> SlotState:
     """One forward step over every slot; running slots draw and record their next token."""
     live_s = state.live_s
-    logits_sv, cache = step_forward(cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.cache,
-                                    rope_cos_sin, batch_invariant=spec.batch_invariant)
+    recording = state.routes_rnlk is not None
+    logits_sv, cache, *routes = step_forward(cfg, layer_params, state.last_token_s, state.next_pos_s, live_s,
+                                             state.cache, rope_cos_sin, batch_invariant=spec.batch_invariant,
+                                             record_routes=recording)
     cache = dict(cache, index=jnp.where(live_s, cache["index"], state.cache["index"]))  # idle slots stay put
+    if recording:  # a running slot fed its row's token step - 1
+        row_tgt = jnp.where(live_s, state.row_s, state.routes_rnlk.shape[0])
+        state = state.replace(routes_rnlk=state.routes_rnlk.at[row_tgt, state.step_s - 1].set(
+            routes[0].astype(state.routes_rnlk.dtype), mode="drop"))
     state, _ = record_step(state, logits_sv, row_keys_r, max_new, scalars, spec)
     return state.replace(cache=cache)
 
@@ -222,8 +230,11 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
                                   batch_invariant=spec.batch_invariant)
     slot_len = prompt_len + new_bucket
     cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
+    recording = records_routes(cfg, spec)
+    routes = (jnp.full((rows_total, new_bucket, cfg.num_layers, cfg.moe.top_k), -1, route_dtype(cfg)) if recording
+              else None)
     state = empty_slots(SlotState, spec, s_count, rows_total, new_bucket, cache=cache,
-                        next_row=jnp.zeros((), jnp.int32), pool=pool)
+                        next_row=jnp.zeros((), jnp.int32), pool=pool, routes_rnlk=routes)
     keys_r = row_keys(key, rows_total)
     rope_cos_sin = rope_table(cfg, slot_len)
     num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
@@ -259,7 +270,15 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
             lambda st: _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec),
             _keep_slots(state, drain))
         slot_steps += (state.decode_steps - main_steps) * drain
-    return slot_result(state, s_count, slot_steps)
+    result = slot_result(state, s_count, slot_steps)
+    if not recording:
+        return result
+    # The pool's prefill keeps no routes: the prompts' record comes from the same cache-free
+    # forward (`prefill_cache`) run once more over the B prompts, [B * n, P, L, k].
+    prompt_routes = prefill_cache(cfg, layer_params, prompt_bp[:b], mask_bp[:b], return_routes=True)[2]
+    prompt_routes = jnp.where(mask_bp[:b, :, None, None], prompt_routes.transpose(1, 2, 0, 3), -1)
+    return result.replace(routes=jnp.where(result.mask[:, :, None, None], state.routes_rnlk, -1).astype(routes.dtype),
+                          prompt_routes=jnp.repeat(prompt_routes, n, axis=0).astype(routes.dtype))
 
 
 def _keep_slots(state: SlotState, count: int) -> SlotState:

@@ -23,7 +23,7 @@ from rljax.models.transformer import hidden_states_and_routes
 from rljax.objectives import AlgorithmConfig
 from rljax.optim import OptimConfig
 from rljax.rewards.base import Rewards
-from rljax.sampling import SampleControls
+from rljax.sampling import SampleControls, sample
 from rljax.stages.rollout import rollout
 from rljax.train.config import load_config
 from rljax.update import init_train_state, prepare_batch
@@ -135,6 +135,24 @@ def test_replay_closes_the_bf16_sampler_f32_trainer_gap():
     assert float(m_part["update/logp_diff_mean"]) > 2 * float(m_on["update/logp_diff_mean"])
 
 
+def test_continuous_scheduler_records_what_the_static_one_does():
+    """The continuous scheduler (slot layout, fewer slots than rows, so rows are admitted as
+    others end) returns the static scheduler's tokens and the same routing record, prompt and
+    completion, on every token both fed (each covers every token but a row's last)."""
+    tokens, mask = _prompts()
+    controls = CONTROLS.replace(record_routes=True)
+    static = jax.jit(lambda p: sample(CFG, p, tokens, mask, jax.random.key(1), controls))(_params(False))
+    cont = jax.jit(lambda p: sample(CFG, p, tokens, mask, jax.random.key(1),
+                                    controls.replace(scheduler="continuous", slots=3)))(_params(False))
+    np.testing.assert_array_equal(np.asarray(cont.tokens), np.asarray(static.tokens))
+    np.testing.assert_array_equal(np.asarray(cont.prompt_routes), np.asarray(static.prompt_routes))
+    c, st = np.asarray(cont.routes), np.asarray(static.routes)
+    covered = c[..., 0] >= 0  # a row's last token is recorded only if a later step fed it
+    np.testing.assert_array_equal(c[covered], st[covered])
+    fed = np.arange(c.shape[1])[None, :] < np.asarray(static.lengths)[:, None] - 1
+    assert covered[fed].all() and (st[..., 0] >= 0)[fed].all()
+
+
 def test_a_wrong_record_changes_the_trainer_logprobs():
     """f32, where the record equals the trainer's own routes: replaying it gives the log-probs
     without replay (1e-6); a record with every expert id shifted by one, or only the prompt's,
@@ -204,8 +222,10 @@ def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
         prepare_batch(_state(REPLAY), _batch(False, "float32").replace(routes_btlk=None))
     with pytest.raises(ConfigError, match="routing_replay"):
         AlgorithmConfig(routing_replay="trainer")
-    with pytest.raises(ConfigError, match="static scheduler only"):
-        SampleControls(max_new_tokens=4, scheduler="continuous", record_routes=True)
-    with pytest.raises(ConfigError, match="which sampling.scheduler='continuous' does not keep"):
-        load_config("moe_default", ["sampling.scheduler=continuous"])
+    with pytest.raises(ConfigError, match="set sampling.kv_layout"):
+        SampleControls(max_new_tokens=4, scheduler="continuous", kv_layout="paged", max_total_tokens=64,
+                       record_routes=True)
+    with pytest.raises(ConfigError, match="which sampling.kv_layout='paged' does not keep"):
+        load_config("moe_default", ["sampling.scheduler=continuous", "sampling.kv_layout=paged",
+                                    "sampling.max_total_tokens=1024"])
     assert load_config("moe_default").algorithm.needs.routes
