@@ -193,7 +193,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     if positions_bt is None:
         positions_bt = default_positions(attn_mask_bt)
     positions_bt = positions_bt.astype(jnp.int32)
-    if cache is None and (mesh := context_mesh()) is not None:  # `rljax.models.context_parallel`
+    if cache is None and rope_cos_sin is None and (mesh := context_mesh()) is not None:  # context parallelism
         return _context_sequence(cfg, params, mesh, tokens_bt, positions_bt, attn_mask_bt, segment_ids_bt,
                                  remat=remat, unroll=unroll), None
     if cache is None:

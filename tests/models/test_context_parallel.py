@@ -18,6 +18,7 @@ from rljax import sharding
 from rljax.models import context_parallel as cp
 from rljax.models import transformer
 from rljax.models.attention import attention
+from rljax.models.layers import rope_table
 from rljax.models.scoring import token_logprobs
 
 MESHES = {"context4_data2": dict(data=2, fsdp=1, context=4),
@@ -151,3 +152,25 @@ def test_zigzag_balances_attention_flops_and_the_naive_split_does_not(degree):
     assert max(zig) - min(zig) <= block, zig
     assert max(naive) - min(naive) > block, naive
     assert all(len(cp.schedule(degree, d)) == 2 * degree + 1 for d in range(degree))
+
+
+def test_per_row_rope_tables_keep_their_positions_under_a_context_mesh():
+    """A forward with per-row rope tables (a VLM's M-RoPE, `vl_forward`) under a context mesh runs
+    the unsplit forward with its own tables and equals the one-device result. Fails if the context
+    path took it and dropped the tables (positions fell back to the text RoPE: the rows' tables
+    here place token p at 2p and 3p, so the hidden states differ by O(1))."""
+    cfg = M.preset("qwen2-test")
+    params = M.init_params(cfg, jax.random.key(1), std=0.2)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 12)))
+    cos_ph, sin_ph = rope_table(cfg, 96)
+    tables = tuple(jnp.stack([t[0:64:2][:32], t[0:96:3][:32]]) for t in (cos_ph, sin_ph))  # positions 2p and 3p
+    fn = jax.jit(lambda p: transformer.hidden_states(cfg, p, tokens, rope_cos_sin=tables)[0])
+    want = fn(params)
+    plain = jax.jit(lambda p: transformer.hidden_states(cfg, p, tokens)[0])(params)
+    assert float(jnp.max(jnp.abs(want - plain))) > 0.1  # the tables matter
+    mesh = sharding.make_mesh(sharding.MeshConfig(**MESHES["context4_data2"]))
+    with jax.set_mesh(mesh):
+        assert cp.context_mesh() is not None
+        got = jax.jit(lambda p: transformer.hidden_states(cfg, p, tokens, rope_cos_sin=tables)[0])(params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
