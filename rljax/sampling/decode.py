@@ -50,9 +50,9 @@ import numpy as np
 
 from rljax.models import ModelConfig, cache_slot_axes, forward, prefill_cache
 from rljax.models import hidden_states, logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
-from rljax.models.moe import route_dtype
 from rljax.models.attention import key_cache_layout
 from rljax.models.fp8 import quantize_cache_layers
+from rljax.models.moe import route_dtype
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
 from rljax.sampling.one_pass import draw_one_pass
