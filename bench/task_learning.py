@@ -168,12 +168,13 @@ def _samples_to(points: list[dict], target: float) -> float | None:
 
 
 def mixture_part(args) -> None:
-    dest = os.path.join(RESULTS, "mixture_selection.json")
+    results = f"mixture_selection_{args.tag}.json" if args.tag else "mixture_selection.json"  # a variant: its own file
+    dest = os.path.join(RESULTS, results)
     out = json.load(open(dest)) if os.path.exists(dest) else {"runs": {}}
-    out.update(_header())
+    out.update(_header(), overrides=args.override)
     for seed in args.seeds:  # seed-major, so a partial sweep still compares the policies on equal seeds
         for policy in args.policies:
-            name = f"mixture_{policy}_seed{seed}"
+            name = f"mixture_{policy}_seed{seed}" + (f"_{args.tag}" if args.tag else "")
             MINE.add(name)
             if not args.collect_only:
                 opts = [f"data.selection={policy}"] + ([] if policy == "bandit" else ["data.selection_options={}"])
@@ -181,7 +182,7 @@ def mixture_part(args) -> None:
                                        args.nice)
             if os.path.exists(os.path.join(RUNS, name, "metrics.jsonl")):
                 out["runs"].setdefault(name, {}).update(curve(name), policy=policy, seed=seed)
-            _save("mixture_selection.json", out)
+            _save(results, out)
     mean = {}
     for policy in args.policies:
         runs = [r for r in out["runs"].values() if r.get("policy") == policy and r.get("evals")]
@@ -197,7 +198,7 @@ def mixture_part(args) -> None:
         out["target_accuracy"] = round(target, 4)
         out["samples_to_target"] = {p: _samples_to(pts, target) for p, pts in mean.items()}
         out["final_accuracy"] = {p: pts[-1]["accuracy"] for p, pts in mean.items()}
-    _save("mixture_selection.json", out)
+    _save(results, out)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +213,7 @@ def mixture_part(args) -> None:
     ax.set_title("mixture_arith: selection policy vs uniform")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "mixture_selection.png"), dpi=100)
+    fig.savefig(os.path.join(RESULTS, results.replace(".json", ".png")), dpi=100)
     print(json.dumps(mean, indent=1))
 
 
@@ -227,7 +228,7 @@ def main() -> None:
     ap.add_argument("--control-overhead-s", type=float, default=30.0,
                     help="the control's setup and evaluation time, taken off its warm-start budget")
     ap.add_argument("--nice", type=int, default=5)
-    ap.add_argument("--tag", default="", help="tasks: a variant's name; its rows go to task_learning_TAG.json")
+    ap.add_argument("--tag", default="", help="a variant's name; its rows go to task_learning_TAG.json / mixture_selection_TAG.json")
     ap.add_argument("--collect-only", action="store_true", help="only summarise existing runs")
     ap.add_argument("--skip-control", action="store_true", help="tasks: the RL runs only")
     ap.add_argument("--control-only", action="store_true", help="tasks: the controls only (after the RL runs)")
