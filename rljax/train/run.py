@@ -92,8 +92,10 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     if not resume and any((out / "checkpoints").glob("[0-9]*")):
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run, or set "
                               f"output_dir=... for a new one")
-    k_init, k_warm, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
+    # Layouts first: they unset an expert or context mesh an earlier run left as JAX's mesh, and an
+    # array made under it (the keys) would carry that mesh into this run's programs.
     trainer_layout, sampler_layout = build_layouts(cfg.mesh)
+    k_init, k_warm, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
     tokenizer = build_tokenizer(cfg.model)
     model_cfg, params = build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
     lora, adapters = build_lora(cfg.lora, model_cfg)

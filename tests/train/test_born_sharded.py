@@ -266,3 +266,21 @@ def test_rljax_train_state_is_born_sharded_and_restores_in_place(tmp_path, monke
     assert step == 1
     _assert_born(restored, run.trainer_layout.tree(state))
     _assert_equal(restored, state)
+
+
+def test_a_run_after_an_expert_mesh_run_keeps_nothing_of_that_mesh(tmp_path):
+    """An expert (or context) run sets its mesh as JAX's own (`build_layouts`), and a later run in
+    the same process (a notebook: `rljax plan` on a MoE, then a dense run; the test suite) must
+    not make anything under it: the loop, init and warm-start keys made before the layouts carried
+    the stale fsdp=4 x expert=2 mesh into the dense fsdp=8 iteration, which JAX refused ("mesh
+    should be the same across the entire program"). Catches: keys made before `build_layouts`."""
+    from rljax.sharding.placement import build_layouts
+
+    build_layouts(load_config(None, ["mesh.fsdp=-1", "mesh.expert=2"]).mesh)
+    assert "expert" in jax.sharding.get_abstract_mesh().axis_names  # what the earlier run leaves
+    cfg = load_config(None, _RUN + [f"output_dir='{tmp_path}'"])
+    run = run_mod.build_run(cfg, resume=False, log=lambda *_: None)
+    for name, key in run.keys.items():
+        mesh = getattr(key.sharding, "mesh", None)
+        assert mesh is None or "expert" not in mesh.axis_names, (name, key.sharding)
+    assert jax.sharding.get_abstract_mesh().empty
