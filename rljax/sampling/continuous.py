@@ -63,12 +63,11 @@ import jax
 import jax.numpy as jnp
 
 from rljax.errors import ConfigError
-from rljax.models import ModelConfig, cache_slot_axes, init_cache, prefill_cache, rope_table, unstack_layers
-from rljax.models.moe import route_dtype
+from rljax.models import ModelConfig, cache_slot_axes, init_cache, rope_table, unstack_layers
 from rljax.sampling.controls import SampleControls, StaticControls
-from rljax.sampling.decode import SampleResult, bucket_length, records_routes, row_keys, step_forward
-from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_slots, prefill_into_pool,
-                                  record_step, slot_result)
+from rljax.sampling.decode import SampleResult, bucket_length, row_keys, step_forward
+from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_routes, empty_slots,
+                                  prefill_into_pool, record_slot_routes, record_step, routes_result, slot_result)
 
 
 @flax.struct.dataclass
@@ -189,9 +188,7 @@ def _decode_step(cfg: ModelConfig, layer_params, state: SlotState, row_keys_r, m
                                              record_routes=recording)
     cache = dict(cache, index=jnp.where(live_s, cache["index"], state.cache["index"]))  # idle slots stay put
     if recording:  # a running slot fed its row's token step - 1
-        row_tgt = jnp.where(live_s, state.row_s, state.routes_rnlk.shape[0])
-        state = state.replace(routes_rnlk=state.routes_rnlk.at[row_tgt, state.step_s - 1].set(
-            routes[0].astype(state.routes_rnlk.dtype), mode="drop"))
+        state = record_slot_routes(state, routes[0])
     state, _ = record_step(state, logits_sv, row_keys_r, max_new, scalars, spec)
     return state.replace(cache=cache)
 
@@ -230,9 +227,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
                                   batch_invariant=spec.batch_invariant)
     slot_len = prompt_len + new_bucket
     cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
-    recording = records_routes(cfg, spec)
-    routes = (jnp.full((rows_total, new_bucket, cfg.num_layers, cfg.moe.top_k), -1, route_dtype(cfg)) if recording
-              else None)
+    routes = empty_routes(cfg, spec, rows_total, new_bucket)
     state = empty_slots(SlotState, spec, s_count, rows_total, new_bucket, cache=cache,
                         next_row=jnp.zeros((), jnp.int32), pool=pool, routes_rnlk=routes)
     keys_r = row_keys(key, rows_total)
@@ -271,14 +266,9 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
             _keep_slots(state, drain))
         slot_steps += (state.decode_steps - main_steps) * drain
     result = slot_result(state, s_count, slot_steps)
-    if not recording:
+    if routes is None:
         return result
-    # The pool's prefill keeps no routes: the prompts' record comes from the same cache-free
-    # forward (`prefill_cache`) run once more over the B prompts, [B * n, P, L, k].
-    prompt_routes = prefill_cache(cfg, layer_params, prompt_bp[:b], mask_bp[:b], return_routes=True)[2]
-    prompt_routes = jnp.where(mask_bp[:b, :, None, None], prompt_routes.transpose(1, 2, 0, 3), -1)
-    return result.replace(routes=jnp.where(result.mask[:, :, None, None], state.routes_rnlk, -1).astype(routes.dtype),
-                          prompt_routes=jnp.repeat(prompt_routes, n, axis=0).astype(routes.dtype))
+    return routes_result(cfg, layer_params, result, state.routes_rnlk, prompt_bp[:b], mask_bp[:b], n)
 
 
 def _keep_slots(state: SlotState, count: int) -> SlotState:

@@ -131,8 +131,8 @@ class SampleControls:
       Static scheduler only.
 
     record_routes: an MoE model's top-k expert ids of every prompt and completion token, per layer,
-      come back in `SampleResult.prompt_routes` / `routes` (routing replay, docs/moe.md; static
-      scheduler and kv_layout "slots"). The RL rollout sets it when `algorithm.routing_replay = "rollout"`.
+      come back in `SampleResult.prompt_routes` / `routes` (routing replay, docs/moe.md; every
+      scheduler and KV layout). The RL rollout sets it when `algorithm.routing_replay = "rollout"`.
 
     Lists are stored as tuples, so the controls stay hashable. A bad value is a `ConfigError`.
     """
@@ -192,10 +192,6 @@ class SampleControls:
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
         self._check_kv_layout()
-        if self.record_routes and self.kv_layout != "slots":
-            raise ConfigError("sampling: the MoE routing record (algorithm.routing_replay='rollout') is taken by the "
-                              "static scheduler and the continuous one's slot layout; set sampling.kv_layout = "
-                              "\"slots\"")
         if self.draw not in DRAWS:
             raise ConfigError(f"sampling: draw must be one of {', '.join(DRAWS)}, got {self.draw!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:

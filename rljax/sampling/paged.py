@@ -36,7 +36,7 @@ Attention, by backend (`use_pallas_kernel`).
               bitwise. The gathered view is transient but gathered for every layer before the
               step, so the step briefly holds what a slot cache holds; the pages are what
               persists. Also on TPU for sliding-window models and
-              in batch-invariant mode.
+              in batch-invariant mode and when recording MoE routes (`record_routes`).
     TPU       (`kernel_forward`) each layer writes the fed token into its page and attends over
               the pages in place with JAX's Pallas kernel
               (`jax.experimental.pallas.ops.tpu.paged_attention`, via `tpu_paged_attention` and
@@ -61,8 +61,8 @@ import jax.numpy as jnp
 from rljax.models import ModelConfig, cache_slot_axes, forward, rope_table, to_cache_layout, unstack_layers
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.decode import SampleResult, row_keys, step_forward
-from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_slots, prefill_into_pool,
-                                  record_step, slot_result)
+from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_routes, empty_slots,
+                                  prefill_into_pool, record_slot_routes, record_step, routes_result, slot_result)
 
 
 @flax.struct.dataclass
@@ -105,6 +105,7 @@ class PagedState:
     pool: PromptPool
     decode_steps: jax.Array
     live_row_steps: jax.Array
+    routes_rnlk: Any = None  # `record_routes`: completion token j's experts, written by the step that feeds it
 
 
 def _push(pt: PageTable, page_x, keep_x) -> PageTable:
@@ -268,12 +269,14 @@ def _fed_slot(pt: PageTable, positions_s, live_s, page_size: int, num_pages: int
 
 
 def gather_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s, kv, pt: PageTable, rope_cos_sin,
-                   *, prompt_len: int, width: int, page_size: int, num_pages: int, batch_invariant: bool):
+                   *, prompt_len: int, width: int, page_size: int, num_pages: int, batch_invariant: bool,
+                   record_routes: bool = False):
     """The CPU/GPU decode step: logits [S, V] through the model's cached forward on the gathered
-    view (`gather_view`), and the pages with the fed tokens' keys and values written."""
+    view (`gather_view`), and the pages with the fed tokens' keys and values written; with
+    `record_routes`, also the fed tokens' experts per layer [S, L, k]."""
     view = gather_view(cfg, kv, pt, positions_s, prompt_len, width, page_size)
-    logits_sv, new = step_forward(cfg, layer_params, tokens_s, positions_s, live_s, view, rope_cos_sin,
-                                  batch_invariant=batch_invariant)
+    logits_sv, new, *routes = step_forward(cfg, layer_params, tokens_s, positions_s, live_s, view, rope_cos_sin,
+                                           batch_invariant=batch_invariant, record_routes=record_routes)
     at_s = view["index"]
     page_s, offset_s = _fed_slot(pt, positions_s, live_s, page_size, num_pages)
 
@@ -282,8 +285,8 @@ def gather_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s
         return pages.at[:, page_s, offset_s, :].set(jnp.squeeze(fed, axis).transpose(1, 0, 2), mode="drop")
 
     axes = cache_slot_axes(cfg)
-    return logits_sv, tuple({"k": write(lkv["k"], lnew["k"], axes["k"]), "v": write(lkv["v"], lnew["v"], axes["v"])}
-                            for lkv, lnew in zip(kv, new["layers"]))
+    return (logits_sv, tuple({"k": write(lkv["k"], lnew["k"], axes["k"]), "v": write(lkv["v"], lnew["v"], axes["v"])}
+                             for lkv, lnew in zip(kv, new["layers"])), *routes)
 
 
 def kernel_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s, kv, pt: PageTable, rope_cos_sin,
@@ -314,13 +317,16 @@ def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_
     state = _grow(state, shared_pages_g, page)
     pt, live_s = state.pages, state.live_s
     args = (cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.kv, pt, rope_cos_sin)
-    if use_pallas_kernel(cfg, spec):
+    if use_pallas_kernel(cfg, spec) and state.routes_rnlk is None:  # the kernel's forward records no routes
         logits_sv, kv = kernel_forward(*args, page_size=page, num_pages=layout.num_pages)
     else:
         prompt_len = state.pool.pos_gp.shape[1]
-        logits_sv, kv = gather_forward(*args, prompt_len=prompt_len, width=prompt_len + layout.new_bucket,
-                                       page_size=page, num_pages=layout.num_pages,
-                                       batch_invariant=spec.batch_invariant)
+        logits_sv, kv, *routes = gather_forward(*args, prompt_len=prompt_len, width=prompt_len + layout.new_bucket,
+                                                page_size=page, num_pages=layout.num_pages,
+                                                batch_invariant=spec.batch_invariant,
+                                                record_routes=state.routes_rnlk is not None)
+        if routes:  # a running slot fed its row's token step - 1
+            state = record_slot_routes(state, routes[0])
 
     state, ended_s = record_step(state, logits_sv, keys_r, max_new, scalars, spec)
     return state.replace(kv=kv, pages=_release(pt, ended_s, shared_pages_g))
@@ -362,8 +368,9 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     shared_pages_g = pool.next_pos_g // layout.page_size
     kv, pt = _empty_pages(cfg, layout, b, prompt_len)
     num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
+    routes = empty_routes(cfg, spec, rows_total, new_bucket)
     state = empty_slots(PagedState, spec, s_count, rows_total, new_bucket, kv=kv, pages=pt,
-                        pending_r=jnp.arange(rows_total) < num_rows, pool=pool)
+                        pending_r=jnp.arange(rows_total) < num_rows, pool=pool, routes_rnlk=routes)
     keys_r = row_keys(key, rows_total)
     rope_cos_sin = rope_table(cfg, prompt_len + new_bucket)
 
@@ -374,8 +381,11 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
 
     state = jax.lax.while_loop(lambda st: jnp.any(st.live_s) | jnp.any(st.pending_r), body, state)
     pt = state.pages
-    return slot_result(state, s_count, state.decode_steps * s_count, preemptions=pt.preemptions, peak_pages=pt.peak,
-                       free_pages=pt.free)
+    result = slot_result(state, s_count, state.decode_steps * s_count, preemptions=pt.preemptions, peak_pages=pt.peak,
+                         free_pages=pt.free)
+    if routes is None:
+        return result
+    return routes_result(cfg, layer_params, result, state.routes_rnlk, prompt_bp, mask_bp, n)
 
 
 def tpu_paged_attention(q_bnh, k_pages, v_pages, lengths_b, table_bk, cfg: ModelConfig, *,

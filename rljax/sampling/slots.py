@@ -34,9 +34,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, init_cache
+from rljax.models import ModelConfig, init_cache, prefill_cache
+from rljax.models.moe import route_dtype
 from rljax.sampling.controls import StaticControls
-from rljax.sampling.decode import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, prompt_forward, stop_flags
+from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, prompt_forward,
+                                    records_routes, stop_flags)
 
 
 @flax.struct.dataclass
@@ -163,3 +165,34 @@ def slot_result(state, slots: int, slot_steps, **counters) -> SampleResult:
                         mask=mask, lengths=state.length_r, finish_reason=state.finish_r,
                         decode_steps=state.decode_steps, live_row_steps=state.live_row_steps, slots=slots,
                         slot_steps=slot_steps, **counters)
+
+
+def record_slot_routes(state, routes_slk):
+    """`record_routes`: writes each running slot's fed-token experts [S, L, k] (from the layout's
+    forward step) into its row's completion record at column step - 1 (the step fed the row's token
+    step - 1). Either layout's state, before `record_step` advances it; a preempted row (paged)
+    rewrites its columns when it runs again, with the same tokens."""
+    rec = state.routes_rnlk
+    row_tgt = jnp.where(state.live_s, state.row_s, rec.shape[0])
+    return state.replace(routes_rnlk=rec.at[row_tgt, state.step_s - 1].set(routes_slk.astype(rec.dtype), mode="drop"))
+
+
+def routes_result(cfg: ModelConfig, layer_params, result: SampleResult, routes_rnlk, prompt_bp, mask_bp,
+                  n: int) -> SampleResult:
+    """The continuous result with its routing record: the completion record masked to each row's
+    tokens (-1 elsewhere), and the prompts' record, [B * n, P, L, k]. The prompt pool's prefill
+    keeps no routes, so the prompts' come from the same cache-free forward (`prefill_cache`) run
+    once more over the B prompts (the static scheduler's prefill computes the same)."""
+    prompt_routes = prefill_cache(cfg, layer_params, prompt_bp, mask_bp, return_routes=True)[2]
+    prompt_routes = jnp.where(mask_bp[:, :, None, None], prompt_routes.transpose(1, 2, 0, 3), -1)
+    dtype = routes_rnlk.dtype
+    return result.replace(routes=jnp.where(result.mask[:, :, None, None], routes_rnlk, -1).astype(dtype),
+                          prompt_routes=jnp.repeat(prompt_routes, n, axis=0).astype(dtype))
+
+
+def empty_routes(cfg: ModelConfig, spec: StaticControls, rows: int, new_bucket: int):
+    """The completion routing record [B * n, N, L, k] (-1: none yet) when the run records routes
+    (`records_routes`), else None: no buffer in the loop's carry."""
+    if not records_routes(cfg, spec):
+        return None
+    return jnp.full((rows, new_bucket, cfg.num_layers, cfg.moe.top_k), -1, route_dtype(cfg))

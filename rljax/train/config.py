@@ -120,11 +120,10 @@ class TrainConfig:
                               "'reverse_kl'")
 
     def _check_routing_replay(self) -> None:
-        """Routing replay needs the sampler's record (static, or continuous slots) on every row the update sees."""
+        """Routing replay needs the sampler's record on every row the update sees."""
         if self.algorithm.routing_replay == "off":
             return
-        clash = [name for name, on in (("sampling.kv_layout='paged'", self.sampling.kv_layout != "slots"),
-                                       ("rl.partial_rollouts", self.rl.partial_rollouts),
+        clash = [name for name, on in (("rl.partial_rollouts", self.rl.partial_rollouts),
                                        ("rl.replay", self.rl.replay.capacity),
                                        ("[env]", self.env.enabled)) if on]
         if clash:

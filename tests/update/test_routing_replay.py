@@ -153,6 +153,38 @@ def test_continuous_scheduler_records_what_the_static_one_does():
     assert covered[fed].all() and (st[..., 0] >= 0)[fed].all()
 
 
+def test_paged_layout_records_what_the_static_one_does():
+    """The paged layout (pages of 4 tokens, a pool so small that rows are preempted and re-run
+    from token 0) returns the static scheduler's tokens and routing record, prompt and completion,
+    on every token both fed; and the update replaying a paged rollout's record equals the one
+    replaying the static rollout's (a layout that wrote a row's experts into another row's record,
+    or the wrong column, fails both; the static rollout's batch is the test's shared one)."""
+    tokens, mask = _prompts()
+    controls = CONTROLS.replace(record_routes=True)
+    paged_controls = controls.replace(scheduler="continuous", kv_layout="paged", page_size=4, slots=4,
+                                      max_total_tokens=32)
+    static = jax.jit(lambda p: sample(CFG, p, tokens, mask, jax.random.key(1), controls))(_params(False))
+    paged = jax.jit(lambda p: sample(CFG, p, tokens, mask, jax.random.key(1), paged_controls))(_params(False))
+    assert int(paged.preemptions) > 0
+    np.testing.assert_array_equal(np.asarray(paged.tokens), np.asarray(static.tokens))
+    np.testing.assert_array_equal(np.asarray(paged.prompt_routes), np.asarray(static.prompt_routes))
+    pr, st = np.asarray(paged.routes), np.asarray(static.routes)
+    covered = pr[..., 0] >= 0
+    fed = np.arange(pr.shape[1])[None, :] < np.asarray(static.lengths)[:, None] - 1
+    assert covered[fed].all()
+    np.testing.assert_array_equal(pr[covered], st[covered])
+    # the update replaying the paged record (as the rollout lays it out: prompt, then completion)
+    # equals the one replaying the static rollout's, under a shifted record (which moves log-probs)
+    b_static = _batch(False, "float32")
+    paged_rec = jnp.concatenate([paged.prompt_routes, paged.routes], axis=1)
+    shift = lambda r: jnp.where(r >= 0, (r + 1) % 4, r).astype(r.dtype)  # noqa: E731
+    state = _state(REPLAY)
+    old_paged = _prepare(state, b_static.replace(routes_btlk=shift(paged_rec)))[0].old_logp_bt
+    old_static = _prepare(state, b_static.replace(routes_btlk=shift(b_static.routes_btlk)))[0].old_logp_bt
+    loss = np.asarray(b_static.loss_mask_bt)
+    np.testing.assert_allclose(np.asarray(old_paged)[loss], np.asarray(old_static)[loss], atol=1e-6)
+
+
 def test_a_wrong_record_changes_the_trainer_logprobs():
     """f32, where the record equals the trainer's own routes: replaying it gives the log-probs
     without replay (1e-6); a record with every expert id shifted by one, or only the prompt's,
@@ -222,10 +254,6 @@ def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
         prepare_batch(_state(REPLAY), _batch(False, "float32").replace(routes_btlk=None))
     with pytest.raises(ConfigError, match="routing_replay"):
         AlgorithmConfig(routing_replay="trainer")
-    with pytest.raises(ConfigError, match="set sampling.kv_layout"):
-        SampleControls(max_new_tokens=4, scheduler="continuous", kv_layout="paged", max_total_tokens=64,
-                       record_routes=True)
-    with pytest.raises(ConfigError, match="which sampling.kv_layout='paged' does not keep"):
-        load_config("moe_default", ["sampling.scheduler=continuous", "sampling.kv_layout=paged",
-                                    "sampling.max_total_tokens=1024"])
+    assert load_config("moe_default", ["sampling.scheduler=continuous", "sampling.kv_layout=paged",
+                                       "sampling.max_total_tokens=1024"]).sampling.kv_layout == "paged"
     assert load_config("moe_default").algorithm.needs.routes
