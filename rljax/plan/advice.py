@@ -8,7 +8,9 @@ Candidates, in the order tried (each alone, then all together):
                                           / 4, ... while a micro-batch holds a buffer per device)
     update.remat = true                   layer activations recomputed in the backward pass
     mesh.context = 2, 4, ... (fsdp / 2 ..) rows of >= 4,096 tokens: each row's tokens split over
-                                          the context axis (`rljax.models.context_parallel`); the
+                                          the context axis (`rljax.models.context_parallel`), with
+                                          the micro-batches cut to one row (packed: one buffer) per
+                                          data x fsdp group, so a device holds T / C tokens; the
                                           first that fits is the smallest CP degree that does
     mesh.context = C / 2, C / 4, ... 1    a recipe with a context axis of C: devices given back to
                                           fsdp (the params are replicated over context, so each
@@ -96,6 +98,22 @@ def _mesh_sizes(cfg: RunConfig) -> tuple[int, int, int]:
     return cfg.mesh.resolve(n)
 
 
+def _row_per_group(u, rows: int, groups: int, width: int) -> tuple[str, int] | None:
+    """The update change that leaves each micro-batch one row (padded) or one buffer (packed) per
+    data x fsdp group, when it holds more: (setting, value), else None.
+
+    A CP candidate takes devices from fsdp, so at the same micro-batch a device holds twice the
+    rows at half their tokens each: the same tokens, the same activations. Only with fewer rows
+    per micro-batch does each device hold T / C tokens (one row's share), which is what context
+    parallelism is for."""
+    if u.packing:
+        buffers, length = u.packed_shape(rows, width)
+        return ("max_tokens_per_microbatch", groups * length) if buffers > groups else None
+    if not isinstance(u.num_microbatches, int) or rows % groups or rows // groups <= u.num_microbatches:
+        return None
+    return "num_microbatches", rows // groups
+
+
 def candidates(cfg: RunConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
     """The changes tried, in order (see the module docstring); the last combines them."""
     u = cfg.update
@@ -120,8 +138,11 @@ def candidates(cfg: RunConfig, model_cfg: ModelConfig) -> Iterator[Candidate]:
     cp = 2
     while time + 1 >= LONG_ROW_TOKENS and fsdp % cp == 0:  # context parallelism, taken from fsdp
         context = cfg.mesh.context * cp
-        yield Candidate(f"mesh.context={context} mesh.fsdp={fsdp // cp}",
-                        _with(cfg, "mesh", context=context, fsdp=fsdp // cp), False)
+        setting = f"mesh.context={context} mesh.fsdp={fsdp // cp}"
+        cand = _with(cfg, "mesh", context=context, fsdp=fsdp // cp)
+        if (finer := _row_per_group(u, rows, data * (fsdp // cp), time + 1)) is not None:
+            cand, setting = _with(cand, "update", **dict([finer])), f"{setting} update.{finer[0]}={finer[1]}"
+        yield Candidate(setting, cand, False)
         cp *= 2
     context = cfg.mesh.context
     while context > 1 and context % 2 == 0:  # a context axis given back to fsdp, halving at a time
