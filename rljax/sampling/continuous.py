@@ -46,7 +46,11 @@ loop decodes them there: the tail costs a quarter per step. Row arithmetic is pe
 
 Memory. The KV cache holds S x (P + N) tokens (P, N the prompt and new-token buckets) plus the
 pool's G x P; `max_total_tokens` sets S = max_total_tokens // (P + N), rather than holding
-rows x (P + N) as static batching does.
+rows x (P + N) as static batching does. With `kv_dtype = "fp8"` the pool and the slots hold
+float8_e4m3fn keys and values with one f32 scale per (row, kv head, slot), the static sampler's
+scheme (`rljax.models.fp8`): the pool's prompts are quantised after their prefill, admission
+copies values and scales alike, and the model's forward quantises each fed token where it writes
+it, so the tokens equal the static FP8 sampler's.
 
 Shapes and compiles. Prompts are padded to a bucket of prompts (`generate` pads the count to a
 power of two) and the number of real rows is traced, so a run compiles once per (prompt bucket,
@@ -66,8 +70,9 @@ from rljax.errors import ConfigError
 from rljax.models import ModelConfig, cache_slot_axes, init_cache, rope_table, unstack_layers
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sampling.decode import SampleResult, bucket_length, row_keys, step_forward
-from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_routes, empty_slots,
-                                  prefill_into_pool, record_slot_routes, record_step, routes_result, slot_result)
+from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_kv_layers, empty_pool, empty_routes,
+                                  empty_slots, prefill_into_pool, record_slot_routes, record_step, routes_result,
+                                  slot_result)
 
 
 @flax.struct.dataclass
@@ -221,12 +226,14 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     num_prompts = prompt_bp.shape[0]
 
     entries = 2 * batch if batch else num_prompts
-    pool = empty_pool(cfg, entries, prompt_len)
+    pool = empty_pool(cfg, entries, prompt_len, spec.kv_dtype)
     if not batch:
         pool = prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, num_prompts,
                                   batch_invariant=spec.batch_invariant)
     slot_len = prompt_len + new_bucket
     cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
+    cache["layers"] = empty_kv_layers(cfg, cache["layers"], spec.kv_dtype)  # FP8: the model's forward
+    # then quantises each fed token's keys and values where it writes them (`rljax.models.fp8`)
     routes = empty_routes(cfg, spec, rows_total, new_bucket)
     state = empty_slots(SlotState, spec, s_count, rows_total, new_bucket, cache=cache,
                         next_row=jnp.zeros((), jnp.int32), pool=pool, routes_rnlk=routes)

@@ -128,7 +128,8 @@ class SampleControls:
     kv_dtype: "model" (the KV cache in the compute dtype) or "fp8": keys and values stored as
       float8_e4m3fn with one f32 scale per (row, kv head, slot), quantised where written and
       dequantised where attention reads them (`rljax.models.fp8`): about half the cache bytes.
-      Static scheduler only.
+      Every scheduler and KV layout (static, continuous slots, paged); not multi-turn or
+      interruptible sampling (a ConfigError there names the fix).
 
     record_routes: an MoE model's top-k expert ids of every prompt and completion token, per layer,
       come back in `SampleResult.prompt_routes` / `routes` (routing replay, docs/moe.md; every
@@ -199,9 +200,6 @@ class SampleControls:
                               f"got {self.weight_dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"sampling: kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.kv_dtype != "model" and self.scheduler != "static":
-            raise ConfigError(f"sampling: kv_dtype={self.kv_dtype!r} (an FP8 KV cache) is built by the static scheduler "
-                              f"only; set scheduler = \"static\" or kv_dtype = \"model\"")
         if self.logits_processor is not None and not callable(self.logits_processor):
             raise ConfigError("sampling: logits_processor must be a function fn(logits_bv, row_b, step_b) -> logits_bv")
         if any(not s for s in self.stop_sequences):

@@ -46,8 +46,11 @@ Attention, by backend (`use_pallas_kernel`).
               has not run on a TPU here.
 
 Memory. Persistent KV: pages x page_size tokens per layer plus the prompt pool (every prompt
-prefilled up front, G x P, as the slot layout's default). The counters report the peak pages in
-use and the preemptions, and the free pages at the end (all of them when nothing leaks).
+prefilled up front, G x P, as the slot layout's default). `kv_dtype = "fp8"`: the pages hold
+float8_e4m3fn with one f32 scale per (kv head, page, offset), i.e. per token as in the static
+sampler's cache, copied from the FP8 pool and gathered with their values. The counters report
+the peak pages in use and the preemptions, and the free pages at the end (all of them when
+nothing leaks).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models import ModelConfig, cache_slot_axes, forward, rope_table, to_cache_layout, unstack_layers
+from rljax.models.fp8 import KV_SCALES, is_fp8_cache
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.decode import SampleResult, row_keys, step_forward
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_routes, empty_slots,
@@ -88,7 +92,7 @@ class PageTable:
 class PagedState:
     """What the paged continuous loop carries: `SlotState` with pages instead of slot caches."""
 
-    kv: Any  # per layer {"k": [K, pages, page, H], "v": [K, pages, page, H]}
+    kv: Any  # per layer {"k": [K, pages, page, H], "v": [K, pages, page, H]} (FP8: + "k_scale", "v_scale" [..., 1])
     pages: PageTable
     row_s: jax.Array
     step_s: jax.Array
@@ -251,15 +255,21 @@ def gather_view(cfg: ModelConfig, kv, pt: PageTable, next_pos_s, prompt_len: int
     page_sw = jnp.take_along_axis(pt.table_sk, logical_sw // page_size, axis=1)
     offset_sw = logical_sw % page_size
     swkh = lambda pages: pages[:, page_sw, offset_sw, :].transpose(1, 2, 0, 3)  # noqa: E731
-    layers = tuple(dict(zip(("k", "v"), to_cache_layout(cfg, swkh(lkv["k"]), swkh(lkv["v"])))) for lkv in kv)
+    # An FP8 pool's scales [K, pages, page, 1] gather like their values ([S, K, 1, W] or [S, K, W, 1]).
+    pairs = (("k", "v"),) + ((tuple(KV_SCALES.values()),) if is_fp8_cache(kv[0]) else ())
+    layers = tuple({name: x for pair in pairs
+                    for name, x in zip(pair, to_cache_layout(cfg, swkh(lkv[pair[0]]), swkh(lkv[pair[1]])))}
+                   for lkv in kv)
     index_s = prompt_len + next_pos_s - pt.prompt_len_s
     return {"layers": layers, "pos": jnp.where(valid_sw, logical_sw, -1), "index": index_s}
 
 
 def use_pallas_kernel(cfg: ModelConfig, spec: StaticControls) -> bool:
     """Whether the decode step attends with the Pallas kernel: on TPU, for models without sliding
-    windows (the kernel has none), outside batch-invariant mode (which maps rows one at a time)."""
-    return jax.default_backend() == "tpu" and not any(cfg.layer_windows()) and not spec.batch_invariant
+    windows (the kernel has none), outside batch-invariant mode (which maps rows one at a time),
+    over compute-dtype pages (the TPU kernel reads no scales: FP8 pages take the gather step)."""
+    return (jax.default_backend() == "tpu" and not any(cfg.layer_windows()) and not spec.batch_invariant
+            and spec.kv_dtype == "model")
 
 
 def _fed_slot(pt: PageTable, positions_s, live_s, page_size: int, num_pages: int):
@@ -280,12 +290,12 @@ def gather_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s
     at_s = view["index"]
     page_s, offset_s = _fed_slot(pt, positions_s, live_s, page_size, num_pages)
 
-    def write(pages, dense, axis):  # the fed token's [S, K, H] from the view into its page
+    def write(pages, dense, axis):  # the fed token's [S, K, H] (FP8: values, and [S, K, 1] scales) into its page
         fed = jnp.take_along_axis(dense, jnp.expand_dims(at_s, (1, 2, 3)), axis=axis)
         return pages.at[:, page_s, offset_s, :].set(jnp.squeeze(fed, axis).transpose(1, 0, 2), mode="drop")
 
     axes = cache_slot_axes(cfg)
-    return (logits_sv, tuple({"k": write(lkv["k"], lnew["k"], axes["k"]), "v": write(lkv["v"], lnew["v"], axes["v"])}
+    return (logits_sv, tuple({name: write(lkv[name], lnew[name], axes[name]) for name in lkv}
                              for lkv, lnew in zip(kv, new["layers"])), *routes)
 
 
@@ -332,10 +342,16 @@ def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_
     return state.replace(kv=kv, pages=_release(pt, ended_s, shared_pages_g))
 
 
-def _empty_pages(cfg: ModelConfig, layout: SlotLayout, groups: int, prompt_len: int) -> tuple[Any, PageTable]:
+def _empty_pages(cfg: ModelConfig, layout: SlotLayout, groups: int, prompt_len: int,
+                 kv_dtype: str = "model") -> tuple[Any, PageTable]:
+    """Empty page pools, and the page table with every page free. `kv_dtype = "fp8"`: pages of
+    float8_e4m3fn with one f32 scale per (kv head, page, offset), [K, pages, page, 1], written
+    with their values (`gather_forward`, `_copy_prompt_pages`)."""
     page, pages = layout.page_size, layout.num_pages
     shape = (cfg.num_kv_heads, pages, page, cfg.head_dim)
-    kv = tuple({"k": jnp.zeros(shape, cfg.compute_jnp_dtype), "v": jnp.zeros(shape, cfg.compute_jnp_dtype)}
+    dtype = jnp.float8_e4m3fn if kv_dtype == "fp8" else cfg.compute_jnp_dtype
+    scales = {name: jnp.ones(shape[:3] + (1,), jnp.float32) for name in KV_SCALES.values()} if kv_dtype == "fp8" else {}
+    kv = tuple(dict({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}, **scales)
                for _ in range(cfg.num_layers))
     s_count = layout.slots
     per_row = -(-(prompt_len + layout.new_bucket) // page)
@@ -359,14 +375,14 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     b, prompt_len = prompt_bp.shape
     n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket
     rows_total = b * n
-    pool = prefill_into_pool(cfg, layer_params, empty_pool(cfg, b, prompt_len), prompt_bp, mask_bp, b,
+    pool = prefill_into_pool(cfg, layer_params, empty_pool(cfg, b, prompt_len, spec.kv_dtype), prompt_bp, mask_bp, b,
                              batch_invariant=spec.batch_invariant)
     # Pool slot of each prompt's i-th real token (the pages store real tokens only, from position 0).
     pos_gp = pool.pos_gp
     src_gp = jnp.zeros_like(pos_gp).at[jnp.arange(b)[:, None], jnp.where(pos_gp >= 0, pos_gp, prompt_len)].set(
         jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), pos_gp.shape), mode="drop")
     shared_pages_g = pool.next_pos_g // layout.page_size
-    kv, pt = _empty_pages(cfg, layout, b, prompt_len)
+    kv, pt = _empty_pages(cfg, layout, b, prompt_len, spec.kv_dtype)
     num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
     routes = empty_routes(cfg, spec, rows_total, new_bucket)
     state = empty_slots(PagedState, spec, s_count, rows_total, new_bucket, kv=kv, pages=pt,

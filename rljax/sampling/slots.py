@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models import ModelConfig, init_cache, prefill_cache
+from rljax.models.attention import key_cache_layout
+from rljax.models.fp8 import is_fp8_cache, quantize_cache_layers
 from rljax.models.moe import route_dtype
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, prompt_forward,
@@ -45,7 +47,7 @@ from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Sampl
 class PromptPool:
     """Prefilled prompts: prompt q lives in entry q % G (G = all prompts, or a ring of 2 batches)."""
 
-    layers: Any  # per layer {"k": [G, K, H, P], "v": [G, K, P, H]}
+    layers: Any  # per layer {"k": [G, K, H, P], "v": [G, K, P, H]} (FP8: and their scales, `empty_pool`)
     pos_gp: jax.Array  # key positions of the prompt slots (-1 on padding)
     logits_gv: jax.Array  # logits after the prompt's last real token
     next_pos_g: jax.Array  # the first completion token's position (the prompt's real length)
@@ -68,9 +70,14 @@ class SlotLayout:
     drain_slots: int = flax.struct.field(pytree_node=False, default=0)  # the tail's slots (0: no drain)
 
 
-def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int) -> PromptPool:
+def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int, kv_dtype: str = "model") -> PromptPool:
+    """A pool of `entries` empty prompts. `kv_dtype = "fp8"`: its keys and values are
+    float8_e4m3fn with f32 scales (`rljax.models.fp8`), which `prefill_into_pool` fills as the
+    static sampler quantises its prompt cache (after the prefill), so either layout's rows see the
+    static sampler's FP8 prompt keys bit for bit."""
     empty = init_cache(cfg, entries, prompt_len)
-    return PromptPool(layers=empty["layers"], pos_gp=empty["pos"],
+    layers = empty_kv_layers(cfg, empty["layers"], kv_dtype)
+    return PromptPool(layers=layers, pos_gp=empty["pos"],
                       logits_gv=jnp.zeros((entries, cfg.vocab_size), jnp.float32),
                       next_pos_g=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32))
 
@@ -82,12 +89,20 @@ def prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mas
     tokens = jax.lax.dynamic_slice_in_dim(prompt_bp, start, batch)
     mask = jax.lax.dynamic_slice_in_dim(mask_bp, start, batch)
     cache, logits_bv = prompt_forward(cfg, params, tokens, mask, batch_invariant=batch_invariant)
+    if is_fp8_cache(pool.layers[0]):  # quantised after the prefill, as `rljax.sampling.decode.prefill` does
+        cache = dict(cache, layers=quantize_cache_layers(cache["layers"], key_cache_layout(cfg)))
     entry = start % pool.pos_gp.shape[0]
     put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), entry, 0)
     layers = tuple({name: put(pc[name], lc[name]) for name in pc} for pc, lc in zip(pool.layers, cache["layers"]))
     return pool.replace(layers=layers, pos_gp=put(pool.pos_gp, cache["pos"]), logits_gv=put(pool.logits_gv, logits_bv),
                         next_pos_g=put(pool.next_pos_g, jnp.sum(mask, axis=1, dtype=jnp.int32)),
                         prefilled=start + batch)
+
+
+def empty_kv_layers(cfg: ModelConfig, layers, kv_dtype: str):
+    """Empty layer caches `layers` (zeros, compute dtype) as `kv_dtype` stores them: unchanged, or
+    for "fp8" float8_e4m3fn zeros with unit scales (`rljax.models.fp8.quantize_cache_layers`)."""
+    return quantize_cache_layers(layers, key_cache_layout(cfg)) if kv_dtype == "fp8" else layers
 
 
 def empty_slots(state_cls, spec: StaticControls, slots: int, rows: int, new_bucket: int, **layout_fields):

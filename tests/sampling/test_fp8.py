@@ -89,8 +89,8 @@ def test_fp8_mismatch_is_measured_and_tis_weights_equal_numpy(tiny, weight_dtype
     reaching the sampler (the mismatch would be ~1e-6), or the trainer scoring with it; for W8A8
     also the activation rounding adding nothing (its mean must exceed weight-only's); with the FP8
     KV cache (`kv_dtype = "fp8"`, static scheduler) the option not reaching the prefill (the
-    mismatch would equal W8A8's bitwise). The continuous scheduler with an FP8 cache is one
-    ConfigError line."""
+    mismatch would equal W8A8's bitwise). The continuous layouts' FP8 cache:
+    tests/sampling/test_fp8_kv_layouts.py."""
     cfg, params = tiny
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, (4, 8)).astype(np.int32)
@@ -113,8 +113,6 @@ def test_fp8_mismatch_is_measured_and_tis_weights_equal_numpy(tiny, weight_dtype
         assert _MISMATCH["fp8_w8a8", "model"] > _MISMATCH["fp8", "model"]
     if ("fp8_w8a8", "fp8") in _MISMATCH and ("fp8_w8a8", "model") in _MISMATCH:
         assert _MISMATCH["fp8_w8a8", "fp8"] != _MISMATCH["fp8_w8a8", "model"]
-    with pytest.raises(ConfigError, match="kv_dtype"):
-        SampleControls(max_new_tokens=4, kv_dtype="fp8", scheduler="continuous")
     w, m = truncated_is(jnp.asarray(trainer), jnp.asarray(sampler), jnp.asarray(sel, jnp.float32), cap=2.0)
     want = np.where(sel, np.minimum(np.exp(trainer.astype(np.float64) - sampler), 2.0), 1.0)
     np.testing.assert_allclose(np.asarray(w), want, rtol=1e-6)
