@@ -16,6 +16,12 @@ Replayed rows carry their behaviour log-probs in `sampler_logp_bt`, so with
 `recompute_old_logp` the update step's off-policy correction (TIS weight or MIS mask on
 pi_old / mu) applies to them exactly as to stale samples.
 
+Routing replay (`algorithm.routing_replay = "rollout"`, an MoE policy): a buffer built with
+`routes_lk = (L, k)` stores each row's routing record [row_len, L, k] beside its tokens (-1 where
+unrecorded), shifted with them, and a replayed row brings its own record into the batch, so the
+trainer recomputes it with the experts its sampler used. A record-carrying batch mixed from a
+buffer without records is refused (the replayed rows would have none).
+
 Eviction: at most `per_prompt` rows per prompt (a prompt's oldest row makes way for its newest),
 then FIFO over the whole buffer at `capacity`. The per-prompt cap stops one prompt that keeps
 succeeding from filling the buffer; FIFO drops the stalest rows first, whose behaviour policy is
@@ -36,6 +42,7 @@ import numpy as np
 from rljax.errors import CheckpointError, ConfigError
 
 _ARRAYS = ("tokens", "attn_mask", "loss_mask", "behaviour_logp", "rewards", "order")
+_NO_ROUTE = -1  # a token without a routing record (`rljax.update.batch.RolloutBatch.routes_btlk`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,12 @@ class ReplayRows:
     behaviour_logp_bt: np.ndarray
     rewards_b: np.ndarray
     prompt_ids: tuple[str, ...]
+    routes_btlk: np.ndarray | None = None  # [K, row_len, L, k] when the buffer keeps routing records
+
+
+def fit_routes(routes_tlk: np.ndarray, attn_t: np.ndarray, width: int) -> np.ndarray:
+    """`fit_width` for a row's routing record [T, L, k] (time first), padded with -1."""
+    return np.moveaxis(fit_width(np.moveaxis(routes_tlk, 0, -1), attn_t, width, fill=_NO_ROUTE), -1, 0)
 
 
 def fit_width(row_t: np.ndarray, attn_t: np.ndarray, width: int, fill=0) -> np.ndarray:
@@ -69,7 +82,7 @@ class ReplayBuffer:
     """A fixed-capacity buffer of successful rows (see the module doc for what goes in and out)."""
 
     def __init__(self, *, capacity: int, row_len: int, per_prompt: int = 2, success_threshold: float = 1.0,
-                 max_pass_rate: float = 0.5):
+                 max_pass_rate: float = 0.5, routes_lk: tuple[int, int] | None = None):
         if capacity < 1 or row_len < 1 or per_prompt < 1:
             raise ConfigError(f"replay needs capacity, row_len and per_prompt >= 1, got "
                               f"{capacity}, {row_len}, {per_prompt}")
@@ -84,6 +97,9 @@ class ReplayBuffer:
         self.rewards = np.zeros(capacity, np.float32)
         self.order = np.full(capacity, -1, np.int64)  # insertion serial; -1 = empty slot
         self.prompt_ids: list[str | None] = [None] * capacity
+        # routing records (an MoE policy with routing replay), int16 holds any expert id of int8 or int16
+        self.routes = (None if routes_lk is None
+                       else np.full((capacity, row_len, *routes_lk), _NO_ROUTE, np.int16))
         self.serial = 0
         self.counters = {"added": 0, "sampled": 0, "evicted": 0, "mixed": 0}
 
@@ -106,9 +122,13 @@ class ReplayBuffer:
         return int(np.argmin(self.order))
 
     def add(self, prompt_ids_g: Sequence[Any], tokens_bt, attn_mask_bt, loss_mask_bt, behaviour_logp_bt,
-            rewards_b) -> int:
+            rewards_b, routes_btlk=None) -> int:
         """Store the eligible rows of a prompt-major batch (``B = G * n`` rows, group g = rows
-        g*n .. g*n+n-1); returns how many were stored."""
+        g*n .. g*n+n-1); returns how many were stored. A buffer with routing records needs the
+        batch's (`routes_btlk` [B, T, L, k])."""
+        if self.routes is not None and routes_btlk is None:
+            raise ConfigError("this replay buffer keeps routing records (algorithm.routing_replay='rollout') but the "
+                              "batch has none: sample with the rollout's record (SampleControls.record_routes)")
         rewards_b = np.asarray(rewards_b, np.float32)
         num_groups = len(prompt_ids_g)
         if num_groups == 0 or rewards_b.shape[0] % num_groups:
@@ -126,6 +146,8 @@ class ReplayBuffer:
             attn = arrays[1][b].astype(bool)
             for dest, src in zip((self.tokens, self.attn_mask, self.loss_mask, self.behaviour_logp), arrays):
                 dest[slot] = fit_width(src[b].astype(dest.dtype), attn, self.row_len)
+            if self.routes is not None:
+                self.routes[slot] = fit_routes(np.asarray(routes_btlk[b]).astype(np.int16), attn, self.row_len)
             self.rewards[slot], self.prompt_ids[slot] = rewards_b[b], key
             self.order[slot], self.serial = self.serial, self.serial + 1
             stored += 1
@@ -136,7 +158,8 @@ class ReplayBuffer:
         slots = np.asarray(slots, np.int64)
         return ReplayRows(self.tokens[slots].copy(), self.attn_mask[slots].copy(), self.loss_mask[slots].copy(),
                           self.behaviour_logp[slots].copy(), self.rewards[slots].copy(),
-                          tuple(self.prompt_ids[s] for s in slots))
+                          tuple(self.prompt_ids[s] for s in slots),
+                          None if self.routes is None else self.routes[slots].copy())
 
     def sample(self, k: int, rng: np.random.Generator) -> ReplayRows:
         """Up to `k` distinct rows, uniformly; deterministic given `rng` and the buffer's contents."""
@@ -151,11 +174,15 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         """Arrays (copies) plus JSON-able prompt ids and counters, for the checkpoint."""
-        return {**{name: getattr(self, name).copy() for name in _ARRAYS},
+        routes = {} if self.routes is None else {"routes": self.routes.copy()}
+        return {**{name: getattr(self, name).copy() for name in _ARRAYS}, **routes,
                 "prompt_ids": list(self.prompt_ids), "serial": self.serial, "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in _ARRAYS:
+        if (self.routes is None) != ("routes" not in state):
+            raise CheckpointError("the checkpoint's replay buffer and this run disagree on routing records: resume "
+                                  "with the run's algorithm.routing_replay")
+        for name in _ARRAYS + (() if self.routes is None else ("routes",)):
             have = np.asarray(state[name])
             want = getattr(self, name)
             if have.shape != want.shape:
@@ -180,7 +207,7 @@ def mix_into_batch(batch, buffer: ReplayBuffer, *, prompt_ids_g: Sequence[Any], 
     """Put stored successes into up to ``floor(fraction * G)`` all-failed groups (module doc).
 
     `batch` is any dataclass with the `RolloutBatch` fields tokens_bt, attn_mask_bt,
-    loss_mask_bt, sampler_logp_bt and rewards_b, prompt-major with G = len(prompt_ids_g)
+    loss_mask_bt, sampler_logp_bt and rewards_b (and routes_btlk, when set), prompt-major with G = len(prompt_ids_g)
     groups; it is returned as the same type with those fields as NumPy arrays. Call it before
     `buffer.add` on the fresh rows, so a replayed row is never stored twice.
     """
@@ -188,6 +215,12 @@ def mix_into_batch(batch, buffer: ReplayBuffer, *, prompt_ids_g: Sequence[Any], 
         raise ConfigError(f"replay fraction={fraction} must be in [0, 1]")
     fields = {name: np.array(getattr(batch, name)) for name in
               ("tokens_bt", "attn_mask_bt", "loss_mask_bt", "sampler_logp_bt", "rewards_b")}
+    routes = getattr(batch, "routes_btlk", None)
+    if routes is not None:  # the replayed rows bring their own record (module doc)
+        if buffer.routes is None:
+            raise ConfigError("the batch carries routing records (algorithm.routing_replay='rollout') but the replay "
+                              "buffer keeps none: build it with ReplayBuffer(routes_lk=(layers, top_k))")
+        fields["routes_btlk"] = np.array(routes)
     num_rows, width = fields["tokens_bt"].shape
     num_groups = len(prompt_ids_g)
     n = num_rows // num_groups
@@ -206,6 +239,8 @@ def mix_into_batch(batch, buffer: ReplayBuffer, *, prompt_ids_g: Sequence[Any], 
                           ("loss_mask_bt", row.loss_mask_bt), ("sampler_logp_bt", row.behaviour_logp_bt)):
             fields[name][b] = fit_width(src[0], attn, width).astype(fields[name].dtype)
         fields["rewards_b"][b] = row.rewards_b[0]
+        if routes is not None:
+            fields["routes_btlk"][b] = fit_routes(row.routes_btlk[0], attn, width).astype(routes.dtype)
         replayed_b[b] = True
     buffer.counters["mixed"] += int(replayed_b.sum())
     metrics = {"replay/rows_mixed": float(replayed_b.sum()), "replay/groups_all_failed": float(failed_g.sum())}

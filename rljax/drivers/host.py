@@ -40,7 +40,7 @@ from rljax.stages.iteration import make_stages, merge_metrics
 from rljax.update import RolloutBatch
 
 _SUMMED = ("rollout/tokens", "rollout/verifier_failed")  # rollout metrics that add up over rounds
-_REPLAY_ARRAYS = ("tokens", "attn_mask", "loss_mask", "behaviour_logp", "rewards", "order")
+_REPLAY_ARRAYS = ("tokens", "attn_mask", "loss_mask", "behaviour_logp", "rewards", "order", "routes")
 _ROW_FIELDS = ("tokens_bt", "attn_mask_bt", "loss_mask_bt", "sampler_logp_bt", "rewards_b", "baseline_rewards_b",
                "verifier_rewards_b", "routes_btlk")
 
@@ -171,7 +171,7 @@ class HostBatcher:
             return batch, {}
         mixed = mix_into_batch(batch, self.replay, prompt_ids_g=prompt_ids_g, fraction=self.replay_fraction)
         self.replay.add(prompt_ids_g, batch.tokens_bt, batch.attn_mask_bt, batch.loss_mask_bt,
-                        batch.sampler_logp_bt, batch.rewards_b)
+                        batch.sampler_logp_bt, batch.rewards_b, routes_btlk=batch.routes_btlk)
         return mixed.batch, {**mixed.metrics, **self.replay.metrics()}
 
     def _selection_metrics(self, selection_m: list[dict]) -> dict[str, float]:

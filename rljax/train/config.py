@@ -124,7 +124,6 @@ class TrainConfig:
         if self.algorithm.routing_replay == "off":
             return
         clash = [name for name, on in (("rl.partial_rollouts", self.rl.partial_rollouts),
-                                       ("rl.replay", self.rl.replay.capacity),
                                        ("[env]", self.env.enabled)) if on]
         if clash:
             raise ConfigError(f"algorithm.routing_replay={self.algorithm.routing_replay!r} replays the "

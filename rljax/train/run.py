@@ -122,7 +122,9 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
         if cfg.rl.replay.capacity:
             r = cfg.rl.replay
             replay = ReplayBuffer(capacity=r.capacity, row_len=cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens,
-                                  per_prompt=r.per_prompt, max_pass_rate=r.max_pass_rate)
+                                  per_prompt=r.per_prompt, max_pass_rate=r.max_pass_rate,
+                                  routes_lk=((model_cfg.num_layers, model_cfg.moe.top_k)
+                                             if cfg.algorithm.needs.routes else None))
     else:
         train_set, held_out, skipped = build_splits(cfg.data)
         reward_fn = build_reward(cfg.reward)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from rljax.data.replay import ReplayBuffer, mix_into_batch
-from rljax.errors import CheckpointError
+from rljax.errors import CheckpointError, ConfigError
 from rljax.objectives import OFF_POLICY, POLICY_LOSSES, aggregate
 from rljax.update.batch import RolloutBatch
 
@@ -169,3 +171,40 @@ def test_state_dict_round_trip_and_deterministic_sampling():
     assert not np.any(restored.tokens == -1)  # restored arrays are copies
     with pytest.raises(CheckpointError, match="keep replay.capacity"):
         ReplayBuffer(capacity=5, row_len=6).load_state_dict(state)
+
+
+def _with_routes(batch, layers=2, top_k=2):
+    """The batch with a routing record that is a function of each token (so a replayed row's record
+    can be checked against its tokens): (token + 5 l + j) mod 16, -1 on padding."""
+    tokens, attn = batch.tokens_bt, batch.attn_mask_bt
+    routes = (tokens[:, :, None, None] + 5 * np.arange(layers)[:, None] + np.arange(top_k)) % 16
+    return dataclasses.replace(batch, routes_btlk=np.where(attn[:, :, None, None], routes, -1).astype(np.int8))
+
+
+def test_replayed_rows_bring_their_routing_record():
+    """Routing replay: a buffer with `routes_lk` stores each success's record with its tokens; the
+    replayed row's record in the (narrower) batch is its own, shifted with its tokens (-1 on its
+    padding), the other rows' records untouched, in the batch's dtype; the record survives
+    state_dict. A record-carrying batch and a buffer without records, either way, is one line.
+    Catches: a record left behind (the fresh row's kept), shifted by another width, or dropped
+    from the checkpoint."""
+    buffer = ReplayBuffer(capacity=4, row_len=8, per_prompt=2, max_pass_rate=0.5, routes_lk=(2, 2))
+    step1 = _with_routes(_batch([(7, 8), (9, 10, 11)], [1, 0, 0, 1, 1, 0], seed=1))
+    buffer.add(["p0", "p1"], step1.tokens_bt, step1.attn_mask_bt, step1.loss_mask_bt, step1.sampler_logp_bt,
+               step1.rewards_b, routes_btlk=step1.routes_btlk)
+    step2 = _with_routes(_batch([(7, 8), (9, 10)], [0] * 6, seed=2))
+    restored = ReplayBuffer(capacity=4, row_len=8, per_prompt=2, max_pass_rate=0.5, routes_lk=(2, 2))
+    restored.load_state_dict(buffer.state_dict())
+    out = mix_into_batch(step2, restored, prompt_ids_g=["p0", "p1"], fraction=1.0)
+    assert np.flatnonzero(out.replayed_b).tolist() == [2]
+    got = out.batch.routes_btlk
+    assert got.dtype == np.int8
+    np.testing.assert_array_equal(got, _with_routes(out.batch).routes_btlk)  # row 2: the stored row's record
+    np.testing.assert_array_equal(got[[0, 1, 3, 4, 5]], step2.routes_btlk[[0, 1, 3, 4, 5]])
+    assert not np.array_equal(got[2], step2.routes_btlk[2])
+    with pytest.raises(ConfigError, match="buffer keeps none"):
+        mix_into_batch(step2, ReplayBuffer(capacity=4, row_len=8), prompt_ids_g=["p0", "p1"], fraction=1.0)
+    with pytest.raises(ConfigError, match="the batch has none"):
+        _add(buffer, step1, ["p0", "p1"])
+    with pytest.raises(CheckpointError, match="routing records"):
+        ReplayBuffer(capacity=4, row_len=8).load_state_dict(buffer.state_dict())

@@ -245,8 +245,9 @@ def test_packed_microbatches_replay_like_the_padded_one():
 
 
 def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
-    """One line each: replay on a dense model, a batch without a record, an unknown mode, a
-    sampler or run setting that keeps no record; the MoE recipe turns replay on."""
+    """One line each: replay on a dense model, a batch without a record, an unknown mode, a run
+    setting that keeps no record (the paged layout and the replay buffer now do); the MoE recipe
+    turns replay on."""
     dense = M.preset("qwen2-test")
     with pytest.raises(ConfigError, match="dense model: set algorithm.routing_replay='off'"):
         init_train_state(dense, M.init_params(dense, jax.random.key(0)), REPLAY, OptimConfig())
@@ -256,4 +257,13 @@ def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
         AlgorithmConfig(routing_replay="trainer")
     assert load_config("moe_default", ["sampling.scheduler=continuous", "sampling.kv_layout=paged",
                                        "sampling.max_total_tokens=1024"]).sampling.kv_layout == "paged"
+    # the replay buffer carries the record (tests/data/test_replay.py); interruptible rollouts and
+    # multi-turn episodes keep none: one line naming the setting to drop
+    assert load_config("moe_default", ["rl.replay.capacity=8", "algorithm.recompute_old_logp=true",
+                                       "algorithm.off_policy=tis"]).rl.replay.capacity == 8
+    for overrides, name in ((["rl.partial_rollouts=true", "rl.mode=async", "mesh.sampler_devices=1"],
+                             "rl.partial_rollouts"), (["env.name=countdown"], r"\[env\]")):
+        with pytest.raises(ConfigError, match=f"which {name} does not keep: drop {name} or set "
+                                              "algorithm.routing_replay='off'"):
+            load_config("moe_default", overrides)
     assert load_config("moe_default").algorithm.needs.routes
