@@ -29,6 +29,7 @@ from rljax.rewards.judge import judge_rows, parse_verdicts
 from rljax.rewards.learned import pair_agreement
 from rljax.sampling import SampleControls, sample
 from rljax.update.batch import ROLLOUT_FIELDS, PreparedBatch, RolloutBatch, replayed_routes, state_values
+from rljax.update.vision import check_vision_update
 
 sg = jax.lax.stop_gradient
 
@@ -84,6 +85,8 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     """
     cfg, algo, schedule = state.model_cfg, state.algo, state.update_cfg
     _check_provides(algo, state.shaping, state.reward_model, batch)
+    if batch.vision is not None:
+        check_vision_update(state)
     needs = algo.needs
     f32 = jnp.float32
     mask = batch.loss_mask_bt.astype(f32)
@@ -180,7 +183,7 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
                              old_values_bt=old_values, returns_bt=returns, teacher_hidden_btd=teacher_hidden,
                              reward_model_scores_b=rm_scores,
                              behaviour_logp_bt=None if correction_kl is None else sampler_logp,
-                             correction_kl_bt=correction_kl, routes_btlk=routes)
+                             correction_kl_bt=correction_kl, routes_btlk=routes, vision=batch.vision)
     return prepared, metrics
 
 

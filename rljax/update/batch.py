@@ -71,6 +71,7 @@ class RolloutBatch:
     turn_returns: TurnReturns | None = None
     verifier_rewards_b: jax.Array | None = None
     routes_btlk: jax.Array | None = None
+    vision: Any = None  # rljax.update.vision.VisionRows: each row's prompt images (None: text rows)
 
 
 @flax.struct.dataclass
@@ -107,6 +108,7 @@ class PreparedBatch:
     select_bt: jax.Array | None = None
     entropy_keep_bt: jax.Array | None = None
     routes_btlk: jax.Array | None = None
+    vision: Any = None  # the rollout's VisionRows, spliced into every trainer forward (None: text rows)
 
 
 def state_values(cfg, value_params, tokens_bt, attn_mask_bt, *, remat: bool = False, unroll: bool = False):

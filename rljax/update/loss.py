@@ -65,6 +65,9 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     Routing replay: a batch carrying `routes_btlk` runs its forward (packed or not) with those
     experts; the routing metrics then compare the trainer's own top-k with the record."""
     params, value_params = trainable if models is None else models(trainable)
+    image_kw = {}
+    if batch.vision is not None:  # image rows: the tower's embeddings spliced in, M-RoPE tables
+        params, image_kw = batch.vision.splice(params)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy or algo.adaptive_entropy
@@ -80,7 +83,7 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
                                          chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
                                          unroll=update_cfg.layers_unrolled(), return_hidden=distill_loss,
                                          return_routing=cfg.moe is not None,
-                                         routes_lbtk=replayed_routes(batch.routes_btlk))
+                                         routes_lbtk=replayed_routes(batch.routes_btlk), **image_kw)
         routing = h_s.pop() if cfg.moe is not None else None
     else:
         if cfg.moe is not None and (algo.router_aux_coef or algo.router_z_coef):

@@ -41,6 +41,7 @@ from rljax.update.config import UpdateConfig
 from rljax.update.controls import fast_logp, token_controls
 from rljax.update.loss import aggregation_denominator, microbatch_loss
 from rljax.update.packing import Slab, pack_rows, pad_fraction
+from rljax.update.vision import freeze_tower
 
 Params = Any
 
@@ -294,6 +295,7 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
         pairs.update(control_pairs)
         pairs["grad_norm"] = (optax.tree.norm(grads), jnp.ones(()))
         updates, opt_state = tx.update(grads, opt_state, trainable)
+        updates = (freeze_tower(updates[0], mb.vision), updates[1])  # a frozen tower moves not at all
         return (optax.apply_updates(trainable, updates), opt_state), (pairs, ext)
 
     def epoch(carry, key):

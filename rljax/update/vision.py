@@ -1,0 +1,114 @@
+"""Images in the update: each row of a `RolloutBatch` carries its prompt's image patches.
+
+    image_bmd = vision_tower(pixels_bnp[b], layout[b])        per row (vmapped), in the loss
+    embed     = image_bmd[b, k] on row b's k-th image slot, else the text embedding
+    logp      = token_logprobs(decoder, spliced embed, M-RoPE tables of row b)
+
+Every leaf is row-aligned ([B, ...]), so the update's mini- and micro-batch splits (`rows`) and
+shuffles cut the images with their rows. The tower therefore runs once per row in the update
+(each row's gradient reaches it), while the sampler runs it once per prompt
+(`rljax.sampling.vision`); the rows of a prompt carry the same patches, so both encode the same
+embeddings. `train_vision=False` stops the gradient at the tower's output and the update zeroes
+the tower's optimiser updates (`freeze_tower`), so a frozen tower is bitwise unchanged whatever
+the optimiser's weight decay (right for a pretrained tower, never for a random one).
+Image slots lie in the prompt, outside the loss mask: attended to, never trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rljax.errors import ConfigError
+from rljax.models.layers import is_adapted
+from rljax.models.vision import PatchLayout, VisionConfig, vision_tower
+
+
+@flax.struct.dataclass
+class RowImageSplice:
+    """An embedding weight whose lookup puts row b's k-th merged image row (`image_bmd[b, k]`) on
+    the k-th marked slot of row b (`image_bt`), the text embedding elsewhere. The row-aligned form
+    of `rljax.models.vlm.ImageSplice` (same protocol as a LoRA adapter: `lookup`, `output_matrix`)."""
+
+    embed: Any
+    image_bmd: jax.Array
+    image_bt: jax.Array
+
+    def lookup(self, ids_bt, dtype):
+        text_btd = self.embed.lookup(ids_bt, dtype) if is_adapted(self.embed) else \
+            jnp.take(self.embed, ids_bt, axis=0).astype(jnp.float32)
+        if self.image_bt.shape != ids_bt.shape:
+            raise ValueError(f"RowImageSplice made for tokens {self.image_bt.shape} looked up with {ids_bt.shape}")
+        k_bt = jnp.clip(jnp.cumsum(self.image_bt, axis=1) - 1, 0, self.image_bmd.shape[1] - 1)
+        image_btd = jnp.take_along_axis(self.image_bmd.astype(jnp.float32), k_bt[..., None], axis=1)
+        return jnp.where(self.image_bt[..., None], image_btd, text_btd)
+
+    def output_matrix(self):
+        return self.embed.output_matrix() if is_adapted(self.embed) else self.embed
+
+
+@flax.struct.dataclass
+class VisionRows:
+    """The image side of a batch, one entry per row. `pixels_bnp` [B, N, C*Tp*P*P] (each row's
+    prompt images, padded to N patches), their layout ([B, N, 2] / [B, N] / [B, N]), `image_bt`
+    [B, T] the slots that take merged rows (the prompt's image tokens), `cos_bph` / `sin_bph`
+    [B, >= T, H] the M-RoPE tables by mask position (`rljax.models.mrope.mrope_table`)."""
+
+    vision: VisionConfig = flax.struct.field(pytree_node=False)
+    train_vision: bool = flax.struct.field(pytree_node=False)
+    pixels_bnp: jax.Array
+    hw_bn2: jax.Array
+    image_bn: jax.Array
+    window_bn: jax.Array
+    image_bt: jax.Array
+    cos_bph: jax.Array
+    sin_bph: jax.Array
+
+    def embeddings(self, visual_params) -> jax.Array:
+        """Each row's merged image rows [B, N / 4, D] (f32); constant of the loss when frozen."""
+        def one(pixels_np, hw_n2, image_n, window_n):
+            return vision_tower(self.vision, visual_params, pixels_np, PatchLayout(hw_n2, image_n, window_n))
+
+        image_bmd = jax.vmap(one)(self.pixels_bnp, self.hw_bn2, self.image_bn, self.window_bn)
+        return image_bmd if self.train_vision else jax.lax.stop_gradient(image_bmd)
+
+    def splice(self, params) -> tuple[Any, dict[str, Any]]:
+        """(the decoder's params with the images spliced into its embedding, the keyword arguments
+        `token_logprobs` takes for these rows: their M-RoPE tables)."""
+        if "visual" not in params:
+            raise ConfigError("the batch carries images but the policy has no vision tower; load a qwen2_5_vl "
+                              "checkpoint (or model.vision) or drop the images from the data")
+        lm = {k: v for k, v in params.items() if k != "visual"}
+        lm["embed"] = RowImageSplice(lm["embed"], self.embeddings(params["visual"]), self.image_bt)
+        return lm, {"rope_cos_sin": (self.cos_bph, self.sin_bph)}
+
+
+def freeze_tower(updates, vision: VisionRows | None):
+    """The optimiser's updates with the tower's zeroed when the batch's tower is frozen (so
+    weight decay and momentum cannot move it either); unchanged otherwise."""
+    if vision is None or vision.train_vision or not isinstance(updates, dict) or "visual" not in updates:
+        return updates
+    return {**updates, "visual": jax.tree.map(jnp.zeros_like, updates["visual"])}
+
+
+# What the update does not run with images yet, each with the setting that turns it off.
+UNSUPPORTED = (
+    ("update.packing", lambda state: state.update_cfg.packing, "update.packing=false"),
+    ("algorithm.recompute_old_logp", lambda state: state.algo.recompute_old_logp, "algorithm.recompute_old_logp=false"),
+    ("a KL reference", lambda state: state.algo.needs.reference_logp, "algorithm.kl_coef=0"),
+    ("a value model", lambda state: state.algo.needs.values, "a critic-free algorithm (grpo)"),
+    ("a teacher", lambda state: state.teacher is not None, "algorithm.distill='none'"),
+    ("a learned reward", lambda state: state.reward_model is not None, "no [reward.model]"),
+    ("token controls", lambda state: bool(state.algo.token_controls), "no Clip-Cov / KL-Cov / entropy selection"),
+    ("LoRA", lambda state: state.adapters is not None, "no [lora]"),
+)
+
+
+def check_vision_update(state) -> None:
+    """One ConfigError line for an update feature that does not score image rows yet."""
+    for what, on, fix in UNSUPPORTED:
+        if on(state):
+            raise ConfigError(f"image prompts: {what} does not score image rows yet; set {fix}")
