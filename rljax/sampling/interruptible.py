@@ -102,19 +102,25 @@ def _segment(cfg: ModelConfig, params, partial: PartialRollout, limit, version) 
                                                                 version))
 
 
-def _append(cfg: ModelConfig, params, tokens_bg, positions_bg, mask_bg, cache, *, batch_invariant: bool):
+def _append(cfg: ModelConfig, params, tokens_bg, positions_bg, mask_bg, cache, *, batch_invariant: bool,
+            record_routes: bool = False):
     """`cache` with the keys and values of `tokens_bg` written at its index, from one forward of
-    all G tokens of every row (one row at a time under `batch_invariant`, as the sampler does)."""
+    all G tokens of every row (one row at a time under `batch_invariant`, as the sampler does);
+    with `record_routes` (an MoE model), also the tokens' experts, int32 [B, G, L, k]."""
     if not batch_invariant:
-        return hidden_states(cfg, params, tokens_bg, positions_bg, mask_bg, cache)[1]
+        _, cache, *routes = hidden_states(cfg, params, tokens_bg, positions_bg, mask_bg, cache,
+                                          return_routes=record_routes)
+        return (cache, *(r.transpose(1, 2, 0, 3) for r in routes))
     index = cache["index"]
 
     def one(tok, pos, m, layers, kpos):
-        new = hidden_states(cfg, params, tok, pos, m, {"layers": layers, "pos": kpos, "index": index})[1]
-        return new["layers"], new["pos"]
+        _, new, *routes = hidden_states(cfg, params, tok, pos, m, {"layers": layers, "pos": kpos, "index": index},
+                                        return_routes=record_routes)
+        return (new["layers"], new["pos"], *(r.swapaxes(0, 1) for r in routes))  # row first: the map strips it
 
-    layers, kpos = D.one_row_at_a_time(one, tokens_bg, positions_bg, mask_bg, cache["layers"], cache["pos"])
-    return {"layers": layers, "pos": kpos, "index": index + tokens_bg.shape[1]}
+    layers, kpos, *routes = D.one_row_at_a_time(one, tokens_bg, positions_bg, mask_bg, cache["layers"], cache["pos"])
+    return ({"layers": layers, "pos": kpos, "index": index + tokens_bg.shape[1]},
+            *(r.transpose(0, 2, 1, 3) for r in routes))  # [B, L, G, k] -> [B, G, L, k]
 
 
 def _swap(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
@@ -123,11 +129,16 @@ def _swap(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
     The prompts are run once per prompt, as the prefill does, and their cache repeated to the n
     samples; then one forward over the first G = min(width, max_new - 1) completion slots of every
     row (no more can ever have been fed) appends the generated tokens, each attending to its
-    prompt and the tokens before it."""
+    prompt and the tokens before it.
+
+    Routing replay (`record_routes`, an MoE model): both forwards re-record the experts of the
+    tokens they feed, so the record is each token's routing in the cache decoding goes on from
+    (the newest params'), as the rest of the row is decoded from it."""
     s, spec = partial.state, partial.spec
     params = unstack_layers(params)
-    cache, _ = D.prompt_forward(cfg, params, partial.prompt_tokens_pt, partial.prompt_mask_pt,
-                                batch_invariant=spec.batch_invariant)
+    recording = s.routes_bnlk is not None
+    cache, _, *prompt_routes = D.prompt_forward(cfg, params, partial.prompt_tokens_pt, partial.prompt_mask_pt,
+                                                batch_invariant=spec.batch_invariant, record_routes=recording)
     repeat = lambda x: jnp.repeat(x, partial.num_samples, axis=0) if x.ndim else x  # noqa: E731
     cache = D.pad_slots(cfg, jax.tree.map(repeat, cache), partial.width)
     p = partial.prompt_tokens_pt.shape[1]
@@ -138,8 +149,13 @@ def _swap(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
     first_pos_b = repeat(jnp.sum(partial.prompt_mask_pt, axis=1, dtype=jnp.int32))
     positions_bg = first_pos_b[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
     fed_bg = jnp.broadcast_to(jnp.arange(g)[None, :] < s.step - 1, positions_bg.shape)
-    cache = _append(cfg, params, s.tokens_bn[:, :g], positions_bg, fed_bg, cache, batch_invariant=spec.batch_invariant)
+    cache, *routes = _append(cfg, params, s.tokens_bn[:, :g], positions_bg, fed_bg, cache,
+                             batch_invariant=spec.batch_invariant, record_routes=recording)
     cache["index"] = (p + s.step - 1).astype(jnp.int32)
+    if recording:  # the fed tokens' new experts; the unfed columns keep -1
+        rec = s.routes_bnlk
+        fresh = jnp.where(fed_bg[:, :, None, None], routes[0].astype(rec.dtype), rec[:, :g])
+        s = s.replace(routes_bnlk=rec.at[:, :g].set(fresh), prompt_routes_bplk=prompt_routes[0])
     return partial.replace(state=s.replace(cache=cache))
 
 

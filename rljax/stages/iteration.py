@@ -191,8 +191,9 @@ def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups
     score_jit = jax.jit(lambda *args: score(cfg, needs, *args),  # inputs already on the sampler's mesh
                         out_shardings=(sampler.rows(rows), sampler.replicated, sampler.replicated))
 
-    return _SplitPrograms(to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh, prompts_in, controls, cfg,
-                          score_jit)
+    host_controls = controls.replace(record_routes=True) if needs.routes else controls  # routing replay's record
+    return _SplitPrograms(to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh, prompts_in, host_controls,
+                          cfg, score_jit)
 
 
 def make_stages(controls: SampleControls, reward_callback: Callable, state: TrainState, *, num_prompts: int,

@@ -109,8 +109,8 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
     if needs.routes:  # the routing record, aligned with the tokens: prompt (prefill) then completion
         if out.routes is None or out.prompt_routes is None:
             raise ConfigError("algorithm.routing_replay='rollout' needs the sampler's routing record, which these "
-                              "samples lack (sampled without SampleControls.record_routes, e.g. an interruptible "
-                              "rollout): set algorithm.routing_replay='off' or rl.partial_rollouts=false")
+                              "samples lack (sampled without SampleControls.record_routes): sample with "
+                              "controls.replace(record_routes=True) or set algorithm.routing_replay='off'")
         routes = jnp.concatenate([take(out.prompt_routes), take(out.routes)], axis=1)
     batch = RolloutBatch(
         tokens_bt=jnp.concatenate([prompt_tokens, take(out.tokens)], axis=1),

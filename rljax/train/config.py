@@ -123,8 +123,7 @@ class TrainConfig:
         """Routing replay needs the sampler's record on every row the update sees."""
         if self.algorithm.routing_replay == "off":
             return
-        clash = [name for name, on in (("rl.partial_rollouts", self.rl.partial_rollouts),
-                                       ("[env]", self.env.enabled)) if on]
+        clash = [name for name, on in (("[env]", self.env.enabled),) if on]
         if clash:
             raise ConfigError(f"algorithm.routing_replay={self.algorithm.routing_replay!r} replays the "
                               f"sampler's routing record, which {clash[0]} does not keep: drop {clash[0]} or set "

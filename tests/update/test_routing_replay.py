@@ -185,6 +185,45 @@ def test_paged_layout_records_what_the_static_one_does():
     np.testing.assert_allclose(np.asarray(old_paged)[loss], np.asarray(old_static)[loss], atol=1e-6)
 
 
+def test_interruptible_rollout_records_the_routes_of_the_cache_it_decodes_from():
+    """Partial rollouts (`rljax.sampling.interruptible`): without a swap the record is the static
+    scheduler's; with new weights (the router's expert columns reversed) taken up after 3 tokens,
+    the swap re-records the prompt and every fed completion token, so the whole record is the new
+    params' teacher-forced routing (f32), which differs from the old params' on most token-layers
+    (a swap that kept the old record fails)."""
+    from rljax.sampling.interruptible import sample_with_updates
+    tokens, mask = _prompts()
+    controls = CONTROLS.replace(record_routes=True)
+    v0 = _params(False)
+    v1 = dict(v0, layers=dict(v0["layers"], router=v0["layers"]["router"][..., ::-1]))
+    polls = []
+
+    def weights(switch_after):
+        polls.append(None)
+        return (v1, 1) if len(polls) > switch_after else (v0, 0)
+
+    plain, _, swaps = sample_with_updates(CFG, tokens, mask, jax.random.key(1), controls, segment_steps=3,
+                                          weights=lambda: weights(99))
+    static = jax.jit(lambda p: sample(CFG, p, tokens, mask, jax.random.key(1), controls))(v0)
+    assert swaps == 0
+    np.testing.assert_array_equal(np.asarray(plain.routes), np.asarray(static.routes))
+    np.testing.assert_array_equal(np.asarray(plain.prompt_routes), np.asarray(static.prompt_routes))
+    polls.clear()
+    out, version_bc, swaps = sample_with_updates(CFG, tokens, mask, jax.random.key(1), controls, segment_steps=3,
+                                                 weights=lambda: weights(2))
+    assert swaps == 1 and set(np.unique(np.asarray(version_bc))) >= {0, 1}
+    rec = np.concatenate([np.asarray(out.prompt_routes), np.asarray(out.routes)], axis=1)
+    seq = jnp.concatenate([jnp.repeat(tokens, SAMPLES, axis=0), out.tokens], axis=1)
+    attn = jnp.concatenate([jnp.repeat(mask, SAMPLES, axis=0), out.mask], axis=1)
+    own = {v: np.asarray(hidden_states_and_routes(CFG, p, seq, attn_mask_bt=attn)[1].routes_btk).transpose(1, 2, 0, 3)
+           for v, p in ((0, v0), (1, v1))}
+    covered = rec[..., 0] >= 0
+    fed = np.arange(N)[None, :] < np.asarray(out.lengths)[:, None] - 1
+    assert covered[:, :P][np.asarray(mask.repeat(SAMPLES, 0))].all() and covered[:, P:][fed].all()
+    np.testing.assert_array_equal(rec[covered], own[1][covered])
+    assert (rec[covered] != own[0][covered]).any(-1).mean() > 0.5
+
+
 def test_a_wrong_record_changes_the_trainer_logprobs():
     """f32, where the record equals the trainer's own routes: replaying it gives the log-probs
     without replay (1e-6); a record with every expert id shifted by one, or only the prompt's,
@@ -246,8 +285,8 @@ def test_packed_microbatches_replay_like_the_padded_one():
 
 def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
     """One line each: replay on a dense model, a batch without a record, an unknown mode, a run
-    setting that keeps no record (the paged layout and the replay buffer now do); the MoE recipe
-    turns replay on."""
+    setting that keeps no record (multi-turn [env]; the paged layout, the replay buffer and
+    partial rollouts do keep it); the MoE recipe turns replay on."""
     dense = M.preset("qwen2-test")
     with pytest.raises(ConfigError, match="dense model: set algorithm.routing_replay='off'"):
         init_train_state(dense, M.init_params(dense, jax.random.key(0)), REPLAY, OptimConfig())
@@ -257,13 +296,13 @@ def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
         AlgorithmConfig(routing_replay="trainer")
     assert load_config("moe_default", ["sampling.scheduler=continuous", "sampling.kv_layout=paged",
                                        "sampling.max_total_tokens=1024"]).sampling.kv_layout == "paged"
-    # the replay buffer carries the record (tests/data/test_replay.py); interruptible rollouts and
+    # the replay buffer (tests/data/test_replay.py) and interruptible rollouts carry the record;
     # multi-turn episodes keep none: one line naming the setting to drop
     assert load_config("moe_default", ["rl.replay.capacity=8", "algorithm.recompute_old_logp=true",
                                        "algorithm.off_policy=tis"]).rl.replay.capacity == 8
-    for overrides, name in ((["rl.partial_rollouts=true", "rl.mode=async", "mesh.sampler_devices=1"],
-                             "rl.partial_rollouts"), (["env.name=countdown"], r"\[env\]")):
-        with pytest.raises(ConfigError, match=f"which {name} does not keep: drop {name} or set "
-                                              "algorithm.routing_replay='off'"):
-            load_config("moe_default", overrides)
+    assert load_config("moe_default", ["rl.partial_rollouts=true", "rl.mode=async",
+                                       "mesh.sampler_devices=1"]).rl.partial_rollouts
+    with pytest.raises(ConfigError, match=r"which \[env\] does not keep: drop \[env\] or set "
+                                          "algorithm.routing_replay='off'"):
+        load_config("moe_default", ["env.name=countdown"])
     assert load_config("moe_default").algorithm.needs.routes
