@@ -32,6 +32,7 @@ DECODE_ROOFLINE_CASES = {
     "static-64-w8a8-kv8": ("static", 64, {"weight_dtype": "fp8_w8a8", "kv_dtype": "fp8"}, False),
     "static-256-w8a8-kv8": ("static", 256, {"weight_dtype": "fp8_w8a8", "kv_dtype": "fp8"}, False),
     "continuous-256": ("continuous", 256, {}, False),
+    "continuous-256-w8a8-kv8": ("continuous", 256, {"weight_dtype": "fp8_w8a8", "kv_dtype": "fp8"}, False),
     "longtail-static-256": ("static", 256, {}, True),
     "longtail-continuous-256": ("continuous", 256, {}, True),
 }
