@@ -31,7 +31,7 @@ class SourceSection:
     `rljax.data.mixture.FreshStream`.
     """
 
-    kind: Literal["reasoning_gym", "jsonl", "parquet", "tfds"] = "reasoning_gym"
+    kind: Literal["reasoning_gym", "jsonl", "parquet", "tfds", "visual"] = "reasoning_gym"
     name: str | None = None
     task: str = "chain_sum"
     task_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -70,8 +70,9 @@ class SourceSection:
 class DataSection:
     """The task: a source, its held-out split and how an example becomes a prompt.
 
-    source: `reasoning_gym` (task + task_kwargs), `jsonl` / `parquet` (path + fields), or `tfds`
-    (tfds_name + tfds_data_dir). `eval_size` problems are held out by question text; training never
+    source: `reasoning_gym` (task + task_kwargs), `jsonl` / `parquet` (path + fields), `tfds`
+    (tfds_name + tfds_data_dir), or `visual` (a generated picture task, `rljax.data.visual_tasks`:
+    task count / tallest / clock, task_kwargs image_size; a vision-language policy only). `eval_size` problems are held out by question text; training never
     sees them. `prompt_template` is a format string over {question} and metadata keys.
 
     A mixture lists its tasks as `[[data.sources]]` (`SourceSection`); then the single-source
@@ -82,7 +83,7 @@ class DataSection:
     prompt. A single-source run with a non-uniform selection is a mixture of one.
     """
 
-    source: Literal["reasoning_gym", "jsonl", "parquet", "tfds"] = "reasoning_gym"
+    source: Literal["reasoning_gym", "jsonl", "parquet", "tfds", "visual"] = "reasoning_gym"
     task: str = "chain_sum"
     task_kwargs: dict = dataclasses.field(default_factory=dict)
     path: str | None = None
@@ -110,7 +111,7 @@ class DataSection:
 
         POLICIES.get(self.selection)  # an unknown name: one line listing the registered ones
         for s in self.sources:
-            if s.kind == "tfds" or s.eval_path:
+            if s.kind in ("tfds", "visual") or s.eval_path:
                 raise ConfigError("data.sources: a tfds source and eval_path are single-source settings; list "
                                   "reasoning_gym, jsonl or parquet sources, each split by its own eval_size")
         labels = [s.label for s in self.sources]

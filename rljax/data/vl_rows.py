@@ -47,11 +47,18 @@ def example_images(example: Example) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def visual_examples(task: str, split: str, count: int, *, size: int = 112, start: int = 0) -> tuple[Example, ...]:
+def short_question(spec) -> str:
+    """A terse question for a tiny character-level model: `count <colour>`, `tallest`, `clock`."""
+    return f"count {spec[2]}" if spec[0] == "count" else spec[0]
+
+
+def visual_examples(task: str, split: str, count: int, *, size: int = 112, start: int = 0,
+                    short: bool = False) -> tuple[Example, ...]:
     """`count` generated problems (`rljax.data.visual_tasks`) as examples whose metadata holds the
-    picture as PNG bytes; ids `visual/<task>/<split>/<i>`."""
-    return tuple(Example(id=f"visual/{task}/{split}/{i}", question=p.question, answer=p.answer,
-                         metadata={"image": p.png()})
+    picture as PNG bytes; ids `visual/<task>/<split>/<i>`. `short`: the terse question form
+    (`short_question`), for a from-scratch character tokenizer."""
+    return tuple(Example(id=f"visual/{task}/{split}/{i}", question=short_question(p.spec) if short else p.question,
+                         answer=p.answer, metadata={"image": p.png()})
                  for i, p in enumerate(generate(task, split, count, size=size, start=start)))
 
 

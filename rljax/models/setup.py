@@ -21,6 +21,7 @@ from rljax.models.hf_io import load_hf, read_hf_config
 from rljax.models.moe_config import MoEConfig
 from rljax.models.packaged import resolve_checkpoint
 from rljax.models.transformer import init_params
+from rljax.models.vl_setup import VisionSection
 from rljax.storage import copy_locally_hint, is_remote
 from rljax.tokenizers import Tokenizer
 from rljax.tokenizers import load as load_tokenizer
@@ -64,6 +65,8 @@ class ModelSection:
     num_experts_per_tok: int = bounded(2, ge=1)
     moe_intermediate_size: int | None = bounded(None, ge=1)
     moe_impl: Literal["auto", "grouped", "dense"] = "auto"
+    vision: VisionSection = VisionSection()  # [model.vision]: a from-scratch tower (depth 0: none)
+    train_vision: bool = True  # False: the tower gets no update (right for a pretrained one only)
 
     def __post_init__(self):
         if self.checkpoint is None and self.tokenizer is None:
