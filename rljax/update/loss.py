@@ -85,16 +85,17 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
                                          return_routing=cfg.moe is not None,
                                          routes_lbtk=replayed_routes(batch.routes_btlk), **image_kw)
         routing = h_s.pop() if cfg.moe is not None else None
+        routing_mask = batch.attn_mask_bt
     else:
-        if cfg.moe is not None and (algo.router_aux_coef or algo.router_z_coef):
-            raise ConfigError("algorithm.router_aux_coef / router_z_coef read the router of whole rows, which "
-                              "packed micro-batches do not return yet: set update.packing=false")
-        routing = None
         lp_chunks = update_cfg.chunk_for(slab.buffers, slab.plan.pack_length, cfg.vocab_size)
-        logp, ent, v_bt = slab.scores(cfg, params, value_params if algo.uses_values else None, batch.tokens_bt,
-                                      batch.attn_mask_bt, with_entropy=with_entropy, chunks=lp_chunks,
-                                      remat=update_cfg.remat, unroll=update_cfg.layers_unrolled(),
-                                      routes_btlk=batch.routes_btlk)
+        logp, ent, v_bt, *packed = slab.scores(cfg, params, value_params if algo.uses_values else None,
+                                               batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
+                                               chunks=lp_chunks, remat=update_cfg.remat,
+                                               unroll=update_cfg.layers_unrolled(), routes_btlk=batch.routes_btlk,
+                                               return_routing=cfg.moe is not None)
+        # the router terms over the packed buffers' real tokens: the rows the update packs (those
+        # with a loss token), where the padded layout reads every real token of the micro-batch
+        routing, routing_mask = packed[0] if packed else (None, None)
         m = m * slab.rows()[:, None].astype(m.dtype)
     selected = {} if batch.select_bt is None else dict(select_bt=batch.select_bt, kl_cov_coef=algo.kl_cov_coef)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
@@ -154,7 +155,7 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         pairs["loss/distill"] = (sg(num_d), loss_den)
         pairs["distill/gjsd"] = (msum(jsd_bt), n_tok)
     if routing is not None:  # an MoE policy: router losses and routing metrics (`rljax.update.moe_terms`)
-        router_loss, router_pairs = router_terms(routing, batch.attn_mask_bt, cfg, algo, share)
+        router_loss, router_pairs = router_terms(routing, routing_mask, cfg, algo, share)
         total = total + router_loss
         pairs.update(router_pairs)
     if algo.uses_values:

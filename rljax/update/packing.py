@@ -152,12 +152,15 @@ class Slab:
         return rows_in(self.plan, self.first, self.buffers)
 
     def scores(self, cfg, params, value_params, tokens_bt, attn_mask_bt, *, with_entropy: bool, chunks,
-               remat: bool, unroll: bool, routes_btlk=None):
+               remat: bool, unroll: bool, routes_btlk=None, return_routing: bool = False):
         """(log-probs, entropy or None, state values or None), each [B, T] on the padded rows (0 off
         this slab's rows), from one forward over the slab's buffers. A row's first real token is
         scored from the previous row's last token in its buffer; it is a prompt token (outside
         any loss mask), as in the padded layout, where it is scored from padding. `routes_btlk`:
-        a routing record, packed with its tokens and replayed by the policy's forward."""
+        a routing record, packed with its tokens and replayed by the policy's forward.
+        `return_routing` (an MoE policy) appends (the forward's `MoEAux` [L, buffers,
+        pack_length, ...], the buffers' real-token mask [buffers, pack_length]): what the router
+        losses and routing metrics read."""
         from rljax.models import default_positions, token_logprobs, values
 
         t = tokens_bt.shape[1]
@@ -167,12 +170,14 @@ class Slab:
         if routes_btlk is not None:
             routes = packed_routes(self.plan, routes_btlk, attn_mask_bt, self.first, self.buffers)
             routes = routes.astype(jnp.int32).transpose(2, 0, 1, 3)
-        logp_nl, ent_nl = token_logprobs(cfg, params, toks, mask, pos, with_entropy=with_entropy,
-                                         chunk_size=chunks.time, vocab_chunk=chunks.vocab, remat=remat, unroll=unroll,
-                                         segment_ids_bt=seg, routes_lbtk=routes)
+        logp_nl, ent_nl, *routing = token_logprobs(cfg, params, toks, mask, pos, with_entropy=with_entropy,
+                                                   chunk_size=chunks.time, vocab_chunk=chunks.vocab, remat=remat,
+                                                   unroll=unroll, segment_ids_bt=seg, routes_lbtk=routes,
+                                                   return_routing=return_routing)
         back = lambda x_nl: unpack(self.plan, x_nl, self.first, t)  # noqa: E731
         state_v = None
         if value_params is not None:
             v_nl = values(cfg, value_params, toks, mask, pos, remat=remat, unroll=unroll, segment_ids_bt=seg)
             state_v = back(jnp.concatenate([jnp.zeros_like(v_nl[:, :1]), v_nl[:, :-1]], axis=1))
-        return back(logp_nl), (None if ent_nl is None else back(ent_nl)), state_v
+        out = back(logp_nl), (None if ent_nl is None else back(ent_nl)), state_v
+        return out + ((routing[0], mask),) if return_routing else out

@@ -14,6 +14,7 @@ from rljax.models.transformer import hidden_states_and_routes
 from rljax.objectives import AlgorithmConfig, prompt_major_group_ids
 from rljax.optim import OptimConfig
 from rljax.update import RolloutBatch, init_train_state, update_step
+from rljax.update.config import UpdateConfig
 
 
 def _batch(cfg, rng):
@@ -51,3 +52,26 @@ def test_router_losses_are_logged_and_trained():
     without, _ = run(0.0, 0.0)
     router = lambda s: s.params["layers"]["router"]
     assert np.abs(router(with_losses) - router(without)).max() > 1e-6
+
+
+def test_packed_update_gives_the_padded_router_losses_and_metrics():
+    """update.packing=true with one packed micro-batch (a token budget that holds every row, so the
+    router sees the same real tokens as the padded micro-batch; every row has a loss token):
+    `loss/router_aux`, `loss/router_z`, `moe/route_agreement`, `moe/expert_load` and the updated
+    router equal the padded update's within 1e-5. Two rows to a buffer, so a packed forward that
+    read the empty slots, or routed across rows, would change them."""
+    cfg = M.preset("qwen2-test", moe=MoEConfig(num_experts=4, top_k=2, expert_size=32))
+    params = M.init_params(cfg, jax.random.key(0))
+    batch = _batch(cfg, np.random.default_rng(0))
+    algo = AlgorithmConfig(algorithm="grpo", router_aux_coef=10.0, router_z_coef=1.0)
+
+    def run(update_cfg):
+        state = init_train_state(cfg, jax.tree.map(jnp.array, params), algo, OptimConfig(learning_rate=1e-2),
+                                 update_cfg=update_cfg)
+        return jax.tree.map(np.asarray, update_step(state, batch, jax.random.key(0)))
+
+    padded, m_pad = run(UpdateConfig())
+    packed, m_pack = run(UpdateConfig(packing=True, pack_length=20, max_tokens_per_microbatch=80))
+    for name in ("loss/router_aux", "loss/router_z", "moe/route_agreement", "moe/expert_load"):
+        np.testing.assert_allclose(float(m_pack[name]), float(m_pad[name]), rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(packed.params["layers"]["router"], padded.params["layers"]["router"], atol=1e-5)
