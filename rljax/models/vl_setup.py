@@ -32,8 +32,8 @@ class VisionSection:
     num_heads: int = bounded(2, ge=1)
     intermediate_size: int = bounded(64, ge=1)
     window_size: int = bounded(56, ge=28)
-    fullatt_block_indexes: tuple[int, ...] = ()
-    mrope_section: tuple[int, ...] = ()  # default: head_dim / 2 split 1/4, 3/8, 3/8 (Qwen2.5-VL's 16/24/24)
+    fullatt_block_indexes: tuple[int, ...] = bounded((), ge=0)
+    mrope_section: tuple[int, ...] = bounded((), ge=1)  # default: head_dim / 2 split 1/4, 3/8, 3/8 (Qwen2.5-VL's 16/24/24)
 
     @property
     def enabled(self) -> bool:

@@ -108,6 +108,12 @@ def _plan(args: argparse.Namespace) -> int:
                               "named shape (e.g. --model Qwen2.5-0.5B) or a HF directory")
         tokenizer = build_tokenizer(cfg.model)
         model_cfg = policy_config(cfg.model, tokenizer)
+    from rljax.plan.vision import vision_plan
+
+    vision = None if args.model else vision_plan(cfg, model_cfg)
+    if vision is not None:  # a vision-language recipe: its counts (rljax.plan.vision)
+        print("\n".join(vision.lines()))
+        return 0
     named = args.accelerator or cfg.plan.accelerator
     limit = device_memory(named, cfg.plan.device_memory_gib) if (named or cfg.plan.device_memory_gib) else None
     from rljax.plan.remat import choose_remat, needs_choice
