@@ -71,6 +71,8 @@ def check_vl_config(cfg: TrainConfig, resume: bool) -> None:
         (cfg.rl.dynamic_sampling, "rl.dynamic_sampling", "rl.dynamic_sampling=false"),
         (cfg.driver != "sync", f"rl.mode / driver {cfg.driver!r}", "rl.mode='sync'"),
         (cfg.mesh.sampler != "shared" or bool(cfg.mesh.sampler_devices), "a sampler mesh", "mesh.sampler='shared'"),
+        (bool(cfg.warm_start.target_accuracy or cfg.warm_start.patience), "warm_start.target_accuracy / patience",
+         "a fixed warm_start.steps (and max_seconds)"),
     )
     for on, what, fix in refusals:
         if on:

@@ -43,9 +43,11 @@ def test_vl_default_trains_two_iterations(tmp_path):
     (["model.vision.depth=0"], "no vision tower"),
     (["sampling.scheduler=continuous"], "scheduler='static'"),
     (["rl.dynamic_sampling=true"], "rl.dynamic_sampling"),
+    (["warm_start.target_accuracy=0.3"], "target_accuracy"),
 ])
 def test_unsupported_settings_are_one_line(tmp_path, override, match):
-    """A visual task on a text model, a non-static scheduler, dynamic sampling: one line each."""
+    """A visual task on a text model, a non-static scheduler, dynamic sampling, a warm start that
+    stops on accuracy (the VL warm start does not check it): one line each."""
     cfg = load_config("vl_default", [f"output_dir={tmp_path}/run", *TINY, *override])
     with pytest.raises(ConfigError, match=match):
         train(cfg)
