@@ -51,8 +51,9 @@ The environment side is a duck-typed `host`: ``host.reset(index_b) -> episode id
 (`rljax.stages.episodes.EpisodeHost` decodes the turns with the run's tokenizer, steps the
 environments through the verifier pool and encodes the observations).
 
-Not done here: the static sampler's cache phases (the cache is P + N slots from the start), and
-the continuous scheduler.
+Routing replay (`record_routes`): every fed column's experts, model and observation tokens
+alike, and the prompts' from the prefill. Not done here: the static sampler's cache phases (the
+cache is P + N slots from the start), and the continuous scheduler.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from rljax.errors import ConfigError
 from rljax.models import ModelConfig, rope_table, unstack_layers
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls, StaticControls
+from rljax.sampling.slots import empty_routes
 
 # Finish reasons of an episode, one int32 per row.
 FINISH_BUDGET = 0  # ran out of columns (the per-episode token budget), mid-turn or mid-observation
@@ -132,6 +134,8 @@ class EpisodeState:
     scalars: Any
     episode_id: jax.Array  # the host's handle on this batch's environment states
     live_row_steps: jax.Array
+    routes_bnlk: Any = None  # `record_routes`: column c's experts per layer, written by the step feeding it
+    prompt_routes_bplk: Any = None  # the prefill's, per prompt
 
 
 @flax.struct.dataclass
@@ -159,6 +163,8 @@ class Episodes:
     void_turns_b: jax.Array
     decode_steps: jax.Array
     live_row_steps: jax.Array
+    routes_bnlk: Any = None  # `record_routes`: int8/16 [B * n, N, L, k], -1 where no step fed the column
+    prompt_routes_bnlk: Any = None  # [B * n, P, L, k], -1 on padding
 
 
 def episode_controls(controls: SampleControls, stop_ids: tuple[int, ...]) -> SampleControls:
@@ -238,8 +244,12 @@ def _forward_step(cfg: ModelConfig, layer_params, state: EpisodeState, rope_cos_
     fed_b = jax.lax.dynamic_index_in_dim(state.tokens_bn, state.step - 1, axis=1, keepdims=False)
     pos_b = state.prompt_len_b + state.step - 1
     ones_b = jnp.ones(fed_b.shape, bool)
-    logits_bv, cache = D.step_forward(cfg, layer_params, fed_b, pos_b, ones_b, state.cache, rope_cos_sin,
-                                      batch_invariant=spec.batch_invariant)
+    logits_bv, cache, *routes = D.step_forward(cfg, layer_params, fed_b, pos_b, ones_b, state.cache, rope_cos_sin,
+                                               batch_invariant=spec.batch_invariant,
+                                               record_routes=state.routes_bnlk is not None)
+    if routes:  # the fed column's experts (an ended row's are masked by `finish`)
+        state = state.replace(routes_bnlk=jax.lax.dynamic_update_slice(
+            state.routes_bnlk, routes[0][:, None].astype(state.routes_bnlk.dtype), (0, state.step - 1, 0, 0)))
     return logits_bv, state.replace(cache=cache,
                                     live_row_steps=state.live_row_steps + jnp.sum(~state.done_b, dtype=jnp.int32))
 
@@ -255,7 +265,9 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, scala
     b, p = prompt_tokens_bt.shape
     bn = b * num_samples
     mask_bt = prompt_mask_bt.astype(bool)
-    cache, logits_bv = D.prompt_forward(cfg, params, prompt_tokens_bt, mask_bt, batch_invariant=spec.batch_invariant)
+    cache, logits_bv, *prompt_routes = D.prompt_forward(cfg, params, prompt_tokens_bt, mask_bt,
+                                                        batch_invariant=spec.batch_invariant,
+                                                        record_routes=D.records_routes(cfg, spec))
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
     cache = D.pad_slots(cfg, cache, budget)
     window = max([len(q) for q in spec.stop_sequences], default=1)
@@ -272,19 +284,27 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, scala
         obs_bo=jnp.zeros((bn, max_observation_tokens), jnp.int32), obs_len_b=zeros_b, obs_ptr_b=zeros_b,
         turns_b=zeros_b, tool_calls_b=zeros_b, tool_errors_b=zeros_b, void_turns_b=zeros_b,
         turn_rewards_bk=jnp.zeros((bn, max_turns), jnp.float32), row_keys_b=D.row_keys(key, bn),
-        scalars=scalars, episode_id=jnp.asarray(episode_id, jnp.int32), live_row_steps=jnp.zeros((), jnp.int32))
+        scalars=scalars, episode_id=jnp.asarray(episode_id, jnp.int32), live_row_steps=jnp.zeros((), jnp.int32),
+        routes_bnlk=empty_routes(cfg, spec, bn, budget), prompt_routes_bplk=(prompt_routes or [None])[0])
     return advance(state, jnp.repeat(logits_bv, num_samples, axis=0), spec, budget)
 
 
 def finish(state: EpisodeState) -> Episodes:
-    """The loop's buffers and counts as `Episodes`."""
+    """The loop's buffers and counts as `Episodes` (the routing record: the columns a running row
+    fed, -1 after its last; the prompts' repeated to their n samples)."""
+    routes, rec = {}, state.routes_bnlk
+    if rec is not None:
+        written = jnp.arange(rec.shape[1])[None, :, None, None] < state.length_b[:, None, None, None]
+        n = state.length_b.shape[0] // state.prompt_routes_bplk.shape[0]
+        routes = dict(routes_bnlk=jnp.where(written, rec, -1).astype(rec.dtype),
+                      prompt_routes_bnlk=jnp.repeat(state.prompt_routes_bplk, n, axis=0))
     return Episodes(tokens_bn=state.tokens_bn, author_bn=state.author_bn, turn_bn=state.turn_bn,
                     logprobs_bn=state.logp_bn, sampling_logprobs_bn=state.sampling_logp_bn, lengths_b=state.length_b,
                     finish_b=state.finish_b, rewards_b=jnp.sum(state.turn_rewards_bk, axis=1),
                     turn_rewards_bk=state.turn_rewards_bk, turns_b=state.turns_b,
                     tool_calls_b=state.tool_calls_b, tool_errors_b=state.tool_errors_b,
                     void_turns_b=state.void_turns_b, decode_steps=state.step - 1,
-                    live_row_steps=state.live_row_steps)
+                    live_row_steps=state.live_row_steps, **routes)
 
 
 # ----------------------------------------------------------------------------- driver (a): one program

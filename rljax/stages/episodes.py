@@ -91,7 +91,9 @@ def episodes_to_batch(prompt_tokens_bt, prompt_mask_bt, episodes: MT.Episodes, *
         loss_mask_bt=jnp.concatenate([zeros.astype(bool), model_bn], axis=1),
         sampler_logp_bt=jnp.concatenate([zeros, episodes.logprobs_bn], axis=1),
         rewards_b=g_bk[:, 0], group_ids_b=jnp.repeat(jnp.arange(groups), n),
-        completion_len=episodes.tokens_bn.shape[1], turn_returns=turns)
+        completion_len=episodes.tokens_bn.shape[1], turn_returns=turns,
+        routes_btlk=(None if episodes.routes_bnlk is None
+                     else jnp.concatenate([episodes.prompt_routes_bnlk, episodes.routes_bnlk], axis=1)))
     return EpisodeBatch(batch, episodes, keep_b)
 
 
@@ -140,9 +142,12 @@ def make_episode_iteration(controls: SampleControls, host: EpisodeHost, options:
                            layout: Layout | None = None) -> Callable:
     """`iteration(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (state, metrics, preview)`:
     episodes -> update as ONE jitted program, the state donated (as `make_iteration`)."""
+    def record(state):  # routing replay: the episodes record every token's experts
+        return controls.replace(record_routes=True) if state.algo.needs.routes else controls
+
     return fuse(lambda state, prompt_tokens_pt, prompt_mask_pt, index_p, key: episode_rollout(
-        state.model_cfg, state.sampler_params(), prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
-        host=host, options=options), layout=layout)
+        state.model_cfg, state.sampler_params(), prompt_tokens_pt, prompt_mask_pt, index_p, key,
+        controls=record(state), host=host, options=options), layout=layout)
 
 
 def episode_controls(controls: SampleControls, tokenizer, env: EnvConfig) -> SampleControls:

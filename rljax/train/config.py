@@ -81,7 +81,6 @@ class TrainConfig:
             self._check_turn_credit()
         check_features(self)  # the driver's table: `rljax.drivers.registry.DRIVERS`
         self._check_partial_rollouts()
-        self._check_routing_replay()
         self._check_teacher()
         self._check_reward_model()
         if n % self.update.chunks:
@@ -118,16 +117,6 @@ class TrainConfig:
             raise ConfigError(f"algorithm.distill={self.algorithm.distill!r} reads whole rows' distributions, which "
                               "packed micro-batches do not keep: set update.packing=false or algorithm.distill="
                               "'reverse_kl'")
-
-    def _check_routing_replay(self) -> None:
-        """Routing replay needs the sampler's record on every row the update sees."""
-        if self.algorithm.routing_replay == "off":
-            return
-        clash = [name for name, on in (("[env]", self.env.enabled),) if on]
-        if clash:
-            raise ConfigError(f"algorithm.routing_replay={self.algorithm.routing_replay!r} replays the "
-                              f"sampler's routing record, which {clash[0]} does not keep: drop {clash[0]} or set "
-                              "algorithm.routing_replay='off'")
 
     def _check_partial_rollouts(self) -> None:
         if self.rl.partial_rollouts and self.sampling.scheduler != "static":

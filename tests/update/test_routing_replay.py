@@ -23,7 +23,11 @@ from rljax.models.transformer import hidden_states_and_routes
 from rljax.objectives import AlgorithmConfig
 from rljax.optim import OptimConfig
 from rljax.rewards.base import Rewards
+from rljax.envs import ENV
+from rljax.envs.config import EnvConfig
 from rljax.sampling import SampleControls, sample
+from rljax.sampling import multiturn as MT
+from rljax.stages.episodes import episodes_to_batch
 from rljax.stages.rollout import rollout
 from rljax.train.config import load_config
 from rljax.update import init_train_state, prepare_batch
@@ -224,6 +228,46 @@ def test_interruptible_rollout_records_the_routes_of_the_cache_it_decodes_from()
     assert (rec[covered] != own[0][covered]).any(-1).mean() > 0.5
 
 
+class _ObservingHost:
+    """A multi-turn environment in two lines: a row's first turn gets the observation 10 11 12,
+    its second ends the episode."""
+
+    def reset(self, index_b):
+        self.turns = np.zeros(len(index_b), np.int32)
+        return np.int32(0)
+
+    def step(self, episode_id, tokens_bn, turn_start_b, step, needs_b):
+        rows = needs_b.shape[0]
+        self.turns = self.turns + needs_b
+        obs = np.zeros((rows, 4), np.int32)
+        obs[:, :3] = (10, 11, 12)
+        return MT.EnvOutput(obs, np.full(rows, 3, np.int32), self.turns >= 2, np.zeros(rows, np.float32),
+                            np.zeros(rows, np.int32), np.zeros(rows, bool))
+
+
+def test_multiturn_episodes_record_every_fed_token():
+    """Multi-turn episodes (`rljax.sampling.multiturn`, [env]): the record covers the prompt and
+    every column a running row fed, model and observation tokens alike, and equals an
+    independent teacher-forced forward's top-k over the episode batch (f32); the episode batch
+    carries it, aligned with its tokens."""
+    tokens, mask = _prompts()
+    controls = MT.episode_controls(CONTROLS.replace(record_routes=True, max_new_tokens=4), (7,))
+    host = _ObservingHost()
+    run = jax.jit(lambda p, k: MT.sample_episodes(CFG, p, tokens, mask, jnp.arange(G), k, controls=controls,
+                                                  host=host, budget=16, max_turns=2, max_observation_tokens=4))
+    episodes = run(_params(False), jax.random.key(1))
+    batch = episodes_to_batch(tokens, mask, episodes, num_samples=SAMPLES, options=EnvConfig(name="x")).batch
+    rec = np.asarray(batch.routes_btlk)
+    assert (np.asarray(episodes.author_bn) == ENV).any()  # observations were fed
+    own, _ = _routing(_params(False), batch)
+    own = np.asarray(own.routes_btk).transpose(1, 2, 0, 3)
+    covered = rec[..., 0] >= 0
+    attn = np.asarray(batch.attn_mask_bt)
+    fed = np.arange(rec.shape[1])[None, :] < P + np.asarray(episodes.lengths_b)[:, None] - 1
+    assert covered[attn & fed].all() and not covered[~attn].any()
+    np.testing.assert_array_equal(rec[covered], own[covered])
+
+
 def test_a_wrong_record_changes_the_trainer_logprobs():
     """f32, where the record equals the trainer's own routes: replaying it gives the log-probs
     without replay (1e-6); a record with every expert id shifted by one, or only the prompt's,
@@ -284,9 +328,9 @@ def test_packed_microbatches_replay_like_the_padded_one():
 
 
 def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
-    """One line each: replay on a dense model, a batch without a record, an unknown mode, a run
-    setting that keeps no record (multi-turn [env]; the paged layout, the replay buffer and
-    partial rollouts do keep it); the MoE recipe turns replay on."""
+    """One line each: replay on a dense model, a batch without a record, an unknown mode; every
+    run setting keeps the record now (the paged layout, the replay buffer, partial rollouts,
+    multi-turn [env]); the MoE recipe turns replay on."""
     dense = M.preset("qwen2-test")
     with pytest.raises(ConfigError, match="dense model: set algorithm.routing_replay='off'"):
         init_train_state(dense, M.init_params(dense, jax.random.key(0)), REPLAY, OptimConfig())
@@ -296,13 +340,11 @@ def test_replay_on_a_dense_model_or_without_a_record_is_one_config_error():
         AlgorithmConfig(routing_replay="trainer")
     assert load_config("moe_default", ["sampling.scheduler=continuous", "sampling.kv_layout=paged",
                                        "sampling.max_total_tokens=1024"]).sampling.kv_layout == "paged"
-    # the replay buffer (tests/data/test_replay.py) and interruptible rollouts carry the record;
-    # multi-turn episodes keep none: one line naming the setting to drop
+    # the replay buffer (tests/data/test_replay.py), interruptible rollouts and multi-turn episodes
+    # carry the record: no run setting is refused any more
     assert load_config("moe_default", ["rl.replay.capacity=8", "algorithm.recompute_old_logp=true",
                                        "algorithm.off_policy=tis"]).rl.replay.capacity == 8
     assert load_config("moe_default", ["rl.partial_rollouts=true", "rl.mode=async",
                                        "mesh.sampler_devices=1"]).rl.partial_rollouts
-    with pytest.raises(ConfigError, match=r"which \[env\] does not keep: drop \[env\] or set "
-                                          "algorithm.routing_replay='off'"):
-        load_config("moe_default", ["env.name=countdown"])
+    assert load_config("moe_default", ["env.name=countdown"]).env.enabled
     assert load_config("moe_default").algorithm.needs.routes
