@@ -251,3 +251,14 @@ def test_the_loop_does_not_branch_on_the_mode():
     for setting in ("rl.mode", ".env", "host_batching", "sampler_layout", "run.sampler", "sampler_processes",
                     "is_mixture", "dynamic_sampling"):
         assert setting not in code, setting
+
+
+def test_test_files_have_unique_basenames():
+    """tests/ has no __init__.py files, so pytest imports each test file by its basename: two files
+    of one name in different folders fail collection ("import file mismatch") and the second one's
+    tests never run (tests/plan/test_vision.py beside tests/sampling/test_vision.py did, in CI).
+    Catches: a new test file named like an existing one in another folder."""
+    names = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {n: p for n, p in names.items() if len(p) > 1}
