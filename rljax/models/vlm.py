@@ -77,8 +77,7 @@ class ImageSplice:
     image_bt: jax.Array
 
     def lookup(self, ids_bt, dtype):
-        text_btd = self.embed.lookup(ids_bt, dtype) if is_adapted(self.embed) else \
-            jnp.take(self.embed, ids_bt, axis=0).astype(jnp.float32)
+        text_btd = text_lookup(self.embed, ids_bt, dtype)
         is_image_bt = self.image_bt
         if is_image_bt.shape != ids_bt.shape:
             raise ValueError(f"ImageSplice made for tokens {is_image_bt.shape} looked up with {ids_bt.shape}")
@@ -87,7 +86,18 @@ class ImageSplice:
         return jnp.where(is_image_bt[..., None], image_btd, text_btd)
 
     def output_matrix(self):
-        return self.embed.output_matrix() if is_adapted(self.embed) else self.embed
+        return text_matrix(self.embed)
+
+
+def text_lookup(embed, ids_bt, dtype):
+    """The text embedding of `ids_bt` (f32 [B, T, D]) from a plain [V, D] weight or its LoRA-adapted
+    form: what an image splice puts beside the image rows."""
+    return embed.lookup(ids_bt, dtype) if is_adapted(embed) else jnp.take(embed, ids_bt, axis=0).astype(jnp.float32)
+
+
+def text_matrix(embed):
+    """The [V, D] matrix of a plain or LoRA-adapted embedding (a tied LM head's weight)."""
+    return embed.output_matrix() if is_adapted(embed) else embed
 
 
 @struct.dataclass

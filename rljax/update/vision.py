@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from rljax.errors import ConfigError
-from rljax.models.layers import is_adapted
 from rljax.models.vision import PatchLayout, VisionConfig, vision_tower
+from rljax.models.vlm import text_lookup, text_matrix
 
 
 @flax.struct.dataclass
@@ -38,8 +38,7 @@ class RowImageSplice:
     image_bt: jax.Array
 
     def lookup(self, ids_bt, dtype):
-        text_btd = self.embed.lookup(ids_bt, dtype) if is_adapted(self.embed) else \
-            jnp.take(self.embed, ids_bt, axis=0).astype(jnp.float32)
+        text_btd = text_lookup(self.embed, ids_bt, dtype)
         if self.image_bt.shape != ids_bt.shape:
             raise ValueError(f"RowImageSplice made for tokens {self.image_bt.shape} looked up with {ids_bt.shape}")
         k_bt = jnp.clip(jnp.cumsum(self.image_bt, axis=1) - 1, 0, self.image_bmd.shape[1] - 1)
@@ -47,7 +46,7 @@ class RowImageSplice:
         return jnp.where(self.image_bt[..., None], image_btd, text_btd)
 
     def output_matrix(self):
-        return self.embed.output_matrix() if is_adapted(self.embed) else self.embed
+        return text_matrix(self.embed)
 
 
 @flax.struct.dataclass
