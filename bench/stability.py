@@ -7,12 +7,19 @@ and more samples per prompt. Three arms, same seeds, same iterations (wall times
     entropy     the entropy control (default: KL-Cov, Cui et al., 2025, on ~2% of the tokens)
     correction  the rollout correction (default: IcePop with the trainer's log-probs recomputed)
 
+All arms and seeds start RL from one warm start (the default job's supervised warm start of
+`--warm-seed`, run once and saved as a HF directory under runs/stability/warm_start): on the
+shared 2-core CPU a warm start takes 15-25 minutes, nine of them would not fit, and a shared start
+makes the arms' starting points identical, so only the RL seed (sampling, the update's key) varies
+across seeds.
+
 Each arm logs the policy's entropy every update and held-out greedy accuracy at each evaluation;
 after the run, `rljax eval` measures the last checkpoint's held-out greedy accuracy, pass@k and
 mean@k (sampled at the eval temperature, over the config's eval seeds). Writes bench/results/stability.json and docs/img/stability_entropy.png.
 
     .venv/bin/python bench/stability.py --seeds 0 --iterations 60        # one seed per arm, short
     .venv/bin/python bench/stability.py --collect-only                    # re-summarise, re-plot
+    .venv/bin/python bench/stability.py --lr 1e-2 ...                     # another collapsing setting
 
 Runs one job at a time (the CPU is shared); wrap it in `flock /tmp/rljax_heavy.lock`.
 """
@@ -30,9 +37,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RUNS = os.path.join(ROOT, "runs", "stability")
+WARM = os.path.join(RUNS, "warm_start")
 
-COLLAPSE = ["optim.learning_rate=3e-3", "sampling.num_samples=16", "rl.prompts_per_iteration=32",
-            "optim.warmup_steps=0"]
+COLLAPSE = ["sampling.num_samples=16", "rl.prompts_per_iteration=32", "optim.warmup_steps=0"]
 # a shorter warm start than the default job's (30% of the way to solved), for the shared CPU
 SHORT = ["warm_start.target_accuracy=0.15"]
 ARMS = {
@@ -51,6 +58,30 @@ def _launch(name, overrides, log_path):
     if proc.returncode:
         raise SystemExit(f"{name} failed; see {log_path}")
     return time.perf_counter() - t0
+
+
+def _warm_start(seed, extra):
+    """The default job's warm start for `seed`, saved once as a HF directory (reused if present)."""
+    done = os.path.join(WARM, "warm_start.json")
+    if os.path.exists(done):
+        return json.load(open(done))
+    code = ("import json, sys, time; from rljax.train.config import load_config; "
+            "from rljax.train.run import build_run; from rljax.train.start import warm_start; "
+            "from rljax.models import save_hf; t = time.perf_counter(); "
+            "run = build_run(load_config(None, sys.argv[2:]), resume=False); "
+            "p = warm_start(run); save_hf(run.model_cfg, p, sys.argv[1]); "
+            "print(json.dumps({'seconds': time.perf_counter() - t}))")
+    out_dir = os.path.join(RUNS, "warm_start_run")
+    proc = subprocess.run([sys.executable, "-c", code, WARM, f"seed={seed}", f"output_dir='{out_dir}'", *extra],
+                          cwd=ROOT, capture_output=True, text=True)
+    with open(os.path.join(RUNS, "warm_start.log"), "w") as log:
+        log.write(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f"warm start failed:\n{proc.stderr[-2000:]}")
+    info = {"seed": seed, "overrides": list(extra), "log": proc.stdout.strip().splitlines()[-3:-1],
+            **json.loads(proc.stdout.strip().splitlines()[-1])}
+    json.dump(info, open(done, "w"), indent=1)
+    return info
 
 
 def _pass_at_k(run_dir, samples):
@@ -105,18 +136,24 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for pass@k")
     ap.add_argument("--short", action="store_true", help="warm start to 15%% of the way, not 30%%")
+    ap.add_argument("--lr", default="3e-3", help="the RL learning rate of the collapsing setting")
+    ap.add_argument("--warm-seed", type=int, default=0, help="the seed of the one shared warm start")
     ap.add_argument("--collect-only", action="store_true")
     args = ap.parse_args()
     os.makedirs(RUNS, exist_ok=True)
     dest = os.path.join(HERE, "results", "stability.json")
     out = json.load(open(dest)) if os.path.exists(dest) else {"runs": {}}
     if not args.collect_only:
+        warm = _warm_start(args.warm_seed, SHORT if args.short else [])
+        out["warm_start"] = warm
+        print("warm start", json.dumps(warm), flush=True)
         every = max(args.iterations // 3, 1)
         for seed in args.seeds:
             for arm in args.arms:
                 name = f"{arm}_seed{seed}"
                 ov = [f"seed={seed}", f"rl.iterations={args.iterations}", f"eval.every={every}",
-                      f"checkpoint.every={args.iterations}", *COLLAPSE, *(SHORT if args.short else []), *ARMS[arm]]
+                      f"checkpoint.every={args.iterations}", f"optim.learning_rate={args.lr}", *COLLAPSE,
+                      f"model.checkpoint='{WARM}'", "warm_start.steps=0", *ARMS[arm]]
                 wall = _launch(name, ov, os.path.join(RUNS, f"{name}.log"))
                 out["runs"][name] = _summary(os.path.join(RUNS, name), wall) | {"overrides": ov}
                 out["runs"][name]["held_out"] = _pass_at_k(os.path.join(RUNS, name), args.eval_samples)
