@@ -42,7 +42,9 @@ def _start_train(out_dir) -> list[subprocess.Popen]:
     """`rljax train` in two processes joined through the RLJAX_* variables (4 CPU devices each)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    # -O0 as the suite (tests/conftest.py): the one-process reference here compiles so too.
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+               JAX_PLATFORMS="cpu",
                JAX_DEFAULT_MATMUL_PRECISION="highest", RLJAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                RLJAX_NUM_PROCESSES="2")
     return [subprocess.Popen([sys.executable, "-m", "rljax.cli", "train", *_RUN, f"output_dir='{out_dir}'"],
