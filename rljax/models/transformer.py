@@ -41,6 +41,7 @@ from rljax.models.fp8 import KV_SCALES, fp8_cache_attend, is_fp8_cache
 from rljax.models.layers import block, embed_tokens, is_adapted, rms_norm, rope_tables
 from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp
 from rljax.models.remat import remat_layer
+from rljax.models.row_pinning import pin_rows
 
 Params = dict[str, Any]
 Cache = dict[str, Any]
@@ -333,7 +334,10 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
-    h, (kv, aux) = jax.lax.scan(body, _embed(cfg, params, tokens_bt),
+    h0 = _embed(cfg, params, tokens_bt)
+    if context is None:  # the context path places its own rows (`_context_sequence`)
+        h0 = pin_rows(h0)  # inside an update's trace only (`rljax.models.row_pinning`)
+    h, (kv, aux) = jax.lax.scan(body, h0,
                                 (layers, jnp.asarray(windows, jnp.int32), routes_lbtk), unroll=bool(unroll))
     h = rms_norm(h, params["final_norm"], cfg).astype(dt)
     if impl == "cudnn":

@@ -49,10 +49,10 @@ from rljax.sharding.placement import build_layouts
 from rljax.models import ModelConfig
 from rljax.rewards import as_callback
 from rljax.sharding import Layout, abstract_like
-from rljax.stages.iteration import make_iteration
+from rljax.stages.iteration import make_iteration, pinned_update
 from rljax.stages.rollout import rollout
 from rljax.update.abstract import abstract_train_state
-from rljax.update import TrainState, update
+from rljax.update import TrainState
 
 RunConfig = Any  # a `rljax.train.config.TrainConfig`: read here, never imported (plan sits below train)
 
@@ -249,9 +249,11 @@ class _Pieces:
         over the batch axes."""
         batch, _, _ = jax.eval_shape(self.sample_program, self.params, *self.prompts, _key(self.sampler or self.trainer))
 
+        update_in_layout = pinned_update(self.trainer)
+
         def update_program(state, batch, key):
             _, k_update = jax.random.split(key)
-            return update(state, batch, k_update)
+            return update_in_layout(state, batch, k_update)
 
         key = _key(self.trainer)
         if self.trainer is None:

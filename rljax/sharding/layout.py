@@ -19,8 +19,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rljax.models.row_pinning import pinned_rows
 from rljax.sharding.rules import (
     rows_sharding,
+    batch_axes,
     DEFAULT_RULES,
     Rule,
     batch_shardings,
@@ -60,6 +62,14 @@ class Layout:
     def rows(self, size: int) -> NamedSharding:
         """Where a batch of `size` rows lives (`rljax.sharding.rules.rows_sharding`)."""
         return rows_sharding(self.mesh, size)
+
+    def pinned_rows(self):
+        """Context for tracing an update: its forward keeps each row's hidden states on the
+        devices that hold the row (`rljax.models.row_pinning`), where the rows divide the batch axes."""
+        return pinned_rows(self._rows_or_none)
+
+    def _rows_or_none(self, size: int) -> NamedSharding | None:
+        return None if batch_axes(self.mesh, size) is None else self.rows(size)
 
     @property
     def replicated(self) -> NamedSharding:
