@@ -43,7 +43,9 @@ def _start(out_dir, *overrides) -> list[subprocess.Popen]:
     """`rljax train` in two processes (one CPU device each) joined through the RLJAX_* variables."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", RLJAX_COORDINATOR_ADDRESS=f"localhost:{port}", RLJAX_NUM_PROCESSES="2")
+    # -O0 as the suite (tests/conftest.py): LLVM optimises less, the programs are the same.
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
+               RLJAX_COORDINATOR_ADDRESS=f"localhost:{port}", RLJAX_NUM_PROCESSES="2")
     return [subprocess.Popen([sys.executable, "-m", "rljax.cli", "train", *_RUN, *overrides, f"output_dir='{out_dir}'"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**env, "RLJAX_PROCESS_ID": str(i)}) for i in range(2)]
