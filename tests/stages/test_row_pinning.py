@@ -73,14 +73,26 @@ def test_the_split_update_keeps_rows_on_their_devices(run):
     assert run[5].update_memory().temp_bytes == pinned.memory_analysis().temp_size_in_bytes
 
 
-def test_the_fused_iteration_pins_its_update(run):
+def _row_pins(jaxpr, rows: int, tokens: int, hidden: int) -> int:
+    """`sharding_constraint`s in a traced program that put [rows, T, D] hidden states on rows over
+    (data, fsdp)."""
+    found = re.findall(rf"f32\[{rows},{tokens},{hidden}\] = sharding_constraint\[(.*?)\]", str(jaxpr), re.S)
+    return sum(1 for params in found if "spec=P(('data', 'fsdp'),)" in params)
+
+
+def test_the_fused_iteration_pins_its_update_and_not_its_sampler(run):
     """The one-program iteration of a shared-sampler FSDP run (`make_iteration` with the trainer
-    layout, what a multi-device run with `mesh.sampler = "shared"` compiles) gathers no
-    [8 rows x T] activations either.
-    Catches: `fuse` calling the unpinned `update`: that program all-gathers f32[2048, 256] (every
-    row's hidden states) five times and holds 34.6 MiB of temporaries a device, against 10.4
-    pinned (measured when this test was written)."""
+    layout, what a multi-device run with `mesh.sampler = "shared"` compiles), traced, not
+    compiled: it pins the update's hidden states to the rows, exactly as many times as the split
+    update program does, so the rollout in front of it (prefill and scoring) is not pinned.
+    Catches: `fuse` calling the unpinned `update` (no pins; compiled, that program all-gathers
+    f32[2048, 256], every row's hidden states, five times and holds 34.6 MiB of temporaries a
+    device against 10.4 pinned, measured when this test was written), and a pin that leaks
+    into the sampler (more pins than the update's)."""
     cfg, tokenizer, trainer, state, callback, pieces, abstract_batch = run
+    _, tokens = abstract_batch.tokens_bt.shape
     iteration = make_iteration(cfg.sampling.with_tokenizer(tokenizer), callback, num_groups=4, layout=trainer)
-    hlo = iteration.lower(state, *pieces.prompts, jax.random.key(1)).compile().as_text()
-    assert _rows_gathered(hlo, 8 * abstract_batch.tokens_bt.shape[1]) == 0
+    fused = _row_pins(jax.make_jaxpr(iteration)(state, *pieces.prompts, jax.random.key(1)), 8, tokens, 256)
+    stages = make_stages(cfg.sampling.with_tokenizer(tokenizer), callback, state, num_prompts=4, trainer=trainer)
+    split = _row_pins(jax.make_jaxpr(stages.split.update_jit)(state, abstract_batch, jax.random.key(1)), 8, tokens, 256)
+    assert fused == split >= 1, (fused, split)
