@@ -71,6 +71,21 @@ JOIN_TIMEOUT_S = 10.0  # a producer inside a long sampling program leaves once i
 PromptSource = Callable[[], tuple]  # the next (prompt_tokens_pt, prompt_mask_pt, index_p) on the sampler's mesh
 
 
+def thread_in_callers_mesh(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread that runs `target` under the calling thread's `jax.set_mesh` mesh. JAX's
+    mesh context is per thread, and the run's expert or context mesh (`rljax.sharding.placement`)
+    is what the MoE block and the context-parallel forward read: without it the sampler thread
+    would trace its programs without the expert all-to-all (numerically the same, but every
+    device gathering every expert's weights)."""
+    mesh = jax.sharding.get_mesh()
+
+    def run() -> None:
+        with jax.set_mesh(mesh):
+            target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class OverlapPrograms:
     """The stages on the two meshes: `sample(params, tokens, mask, index, key)` on the sampler's,
@@ -283,7 +298,7 @@ class AsyncDriver(Driver):
         params, _ = self.programs.to_sampler(state)
         self._mailbox.publish(params, version)
         self._first_version = version
-        self._thread = threading.Thread(target=self._produce, name="rljax-async-sampler", daemon=True)
+        self._thread = thread_in_callers_mesh(self._produce, "rljax-async-sampler")
         self._thread.start()
 
     def _produce(self) -> None:
