@@ -64,7 +64,9 @@ def wheel(checkout) -> Path:
 def _env(**extra: str) -> dict[str, str]:
     """The fakes first on PATH, then this venv's python3; one CPU device per process."""
     env = {**os.environ, "PATH": f"{FAKES}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+           "JAX_PLATFORMS": "cpu",
+           # -O0 as the suite (tests/conftest.py): LLVM optimises less, the programs are the same.
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
     env.update(extra)
     return env
 
