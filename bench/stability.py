@@ -20,6 +20,7 @@ mean@k (sampled at the eval temperature, over the config's eval seeds). Writes b
     .venv/bin/python bench/stability.py --seeds 0 --iterations 60        # one seed per arm, short
     .venv/bin/python bench/stability.py --collect-only                    # re-summarise, re-plot
     .venv/bin/python bench/stability.py --lr 1e-2 ...                     # another collapsing setting
+    .venv/bin/python bench/stability.py --seeds 0 1 2 --parallel 3        # a seed's three arms side by side
 
 Runs one job at a time (the CPU is shared); wrap it in `flock /tmp/rljax_heavy.lock`.
 """
@@ -33,6 +34,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -137,6 +139,7 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for pass@k")
     ap.add_argument("--short", action="store_true", help="warm start to 15%% of the way, not 30%%")
     ap.add_argument("--lr", default="3e-3", help="the RL learning rate of the collapsing setting")
+    ap.add_argument("--parallel", type=int, default=1, help="arms of one seed run side by side")
     ap.add_argument("--warm-seed", type=int, default=0, help="the seed of the one shared warm start")
     ap.add_argument("--collect-only", action="store_true")
     args = ap.parse_args()
@@ -148,16 +151,22 @@ def main() -> None:
         out["warm_start"] = warm
         print("warm start", json.dumps(warm), flush=True)
         every = max(args.iterations // 3, 1)
-        for seed in args.seeds:
-            for arm in args.arms:
-                name = f"{arm}_seed{seed}"
-                ov = [f"seed={seed}", f"rl.iterations={args.iterations}", f"eval.every={every}",
-                      f"checkpoint.every={args.iterations}", f"optim.learning_rate={args.lr}", *COLLAPSE,
-                      f"model.checkpoint='{WARM}'", "warm_start.steps=0", *ARMS[arm]]
-                wall = _launch(name, ov, os.path.join(RUNS, f"{name}.log"))
-                out["runs"][name] = _summary(os.path.join(RUNS, name), wall) | {"overrides": ov}
-                out["runs"][name]["held_out"] = _pass_at_k(os.path.join(RUNS, name), args.eval_samples)
-                print(name, json.dumps({k: v for k, v in out["runs"][name].items() if k != "entropy"}), flush=True)
+
+        def arm_run(seed, arm):
+            name = f"{arm}_seed{seed}"
+            ov = [f"seed={seed}", f"rl.iterations={args.iterations}", f"eval.every={every}",
+                  f"checkpoint.every={args.iterations}", f"optim.learning_rate={args.lr}", *COLLAPSE,
+                  f"model.checkpoint='{WARM}'", "warm_start.steps=0", *ARMS[arm]]
+            wall = _launch(name, ov, os.path.join(RUNS, f"{name}.log"))
+            row = _summary(os.path.join(RUNS, name), wall) | {"overrides": ov, "load_1min_end": os.getloadavg()[0]}
+            row["held_out"] = _pass_at_k(os.path.join(RUNS, name), args.eval_samples)
+            return name, row
+
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            for seed in args.seeds:  # the arms of a seed side by side (--parallel 3): the same load on each
+                for name, row in pool.map(lambda arm: arm_run(seed, arm), args.arms):
+                    out["runs"][name] = row
+                    print(name, json.dumps({k: v for k, v in row.items() if k != "entropy"}), flush=True)
                 out.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            machine={"platform": platform.platform(), "cpus": os.cpu_count()})
                 with open(dest, "w") as f:
