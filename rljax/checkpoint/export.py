@@ -22,13 +22,14 @@ from rljax.storage import as_path, is_remote, upload_tree
 from rljax.tokenizers import Tokenizer
 
 
-def load_lora(directory: str | os.PathLike, step: int | str | None = None
+def load_lora(directory: str | os.PathLike, step: int | str | None = None, *, params_template=None
               ) -> tuple[ModelConfig, dict, LoraConfig | None, dict | None]:
     """(model config, params, LoRA config, adapters) of checkpoint `step` ("latest", "best" or a
     number); the last two are None for a run without LoRA, whose params are then the policy.
 
     The templates come from the saved configs (``jax.eval_shape(init_params, ...)`` and
-    ``init_adapters``), so no model code needs to be told the architecture.
+    ``init_adapters``), so no model code needs to be told the architecture; `params_template`
+    replaces the params' (a vision-language policy's params add its tower, `visual`).
     """
     directory = os.fspath(directory)
     if not as_path(directory).is_dir():
@@ -40,7 +41,8 @@ def load_lora(directory: str | os.PathLike, step: int | str | None = None
             raise CheckpointError(f"checkpoint in {directory} was saved without a model config; "
                                   "save with model_config= to load it by directory")
         cfg = model_config_from_dict(meta["model"], f"checkpoint {directory}/{meta['step']}")
-        template = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+        template = (jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))) if params_template is None
+                    else params_template)
         lora = lora_config_from_dict(meta.get("lora")) if "adapters" in meta["items"] else None
         adapters = None if lora is None else jax.eval_shape(lambda: init_adapters(cfg, lora, jax.random.key(0)))
         restored = ckpt.restore(meta["step"], params=template, model_config=cfg, adapters=adapters)
@@ -49,13 +51,15 @@ def load_lora(directory: str | os.PathLike, step: int | str | None = None
     return cfg, restored.params, lora, restored.adapters
 
 
-def load_params(directory: str | os.PathLike, step: int | str | None = None) -> tuple[ModelConfig, dict]:
+def load_params(directory: str | os.PathLike, step: int | str | None = None, *,
+                params_template=None) -> tuple[ModelConfig, dict]:
     """The model config and policy params of checkpoint `step` ("latest", "best" or a number).
 
     A LoRA run's policy is its base with the adapters merged (`rljax.lora.merged_model`: a tied
     model with an adapted embedding comes back untied), so evaluation and export need no LoRA code.
+    `params_template`: as `load_lora`'s.
     """
-    cfg, params, lora, adapters = load_lora(directory, step)
+    cfg, params, lora, adapters = load_lora(directory, step, params_template=params_template)
     if lora is None:
         return cfg, params
     return merged_model(cfg, params, adapters, lora)

@@ -15,8 +15,8 @@ it on a fresh iterator continues with exactly the next batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,12 +37,15 @@ class PromptBatch:
     mask_bt: bool ``[B, T]``, True on real tokens.
     indices_b: int64 ``[B]`` positions of the rows in `PromptData.examples`.
     examples: the `Example` of each row (answers and tests for the verifiers).
+    images: the rows' `rljax.data.prompt_images.PromptImages` (their placeholders are in
+    ``tokens_bt``), or None for text prompts.
     """
 
     tokens_bt: np.ndarray
     mask_bt: np.ndarray
     indices_b: np.ndarray
     examples: tuple[Example, ...]
+    images: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +113,11 @@ def index_batches(num_examples: int, global_batch_size: int, *, seed: int, shuff
 def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, batch_size: int, seed: int,
                    max_prompt_len: int, fmt: PromptFormat = PromptFormat(), buckets: Sequence[int] | None = None,
                    add_bos: bool = False, shuffle: bool = True, num_epochs: int | None = None,
-                   process_index: int | None = None, process_count: int | None = None) -> PromptData:
+                   process_index: int | None = None, process_count: int | None = None,
+                   images: Callable[[PromptBatch], PromptBatch] | None = None) -> PromptData:
     """Render and tokenise every prompt once (`encode_prompts`: a prompt over `max_prompt_len`
-    tokens is dropped, never cut), then batch the rest.
+    tokens is dropped, never cut), then batch the rest. `images`: the host step that gives each
+    batch its pictures (`rljax.data.prompt_images.ImagePrompter.add_to`; None: text prompts).
 
     `batch_size` is global (all processes together). Prompts are left-padded to the smallest of
     `buckets` (default: just `max_prompt_len`) that fits the batch's longest prompt. Dropped
@@ -131,7 +136,8 @@ def prompt_batches(examples: Sequence[Example], *, tokenizer: PromptTokenizer, b
         rows = [kept_ids[i] for i in idx_b]
         width = pick_bucket(max(len(r) for r in rows), buckets)
         tokens_bt, mask_bt = pad_batch(rows, pad_id, side="left", length=width)
-        return PromptBatch(tokens_bt, mask_bt, idx_b, tuple(kept_examples[i] for i in idx_b))
+        batch = PromptBatch(tokens_bt, mask_bt, idx_b, tuple(kept_examples[i] for i in idx_b))
+        return batch if images is None else images(batch)
 
     local = batch_size // _process(process_index, process_count)[1]
     return PromptData(index_ds.map(to_batch), kept_examples, encoded.num_too_long, local)

@@ -18,6 +18,7 @@ from rljax.drivers.overlap import AsyncDriver, OneStepOff, OverlapPrograms
 from rljax.drivers.remote import RemoteDriver
 from rljax.drivers.sync import build_episodes, build_sync
 from rljax.errors import ConfigError
+from rljax.models.vl_setup import is_image_run
 from rljax.stages.iteration import make_stages
 
 # feature -> (the keys that turn it on, as a refusal names them; whether `cfg` has it on)
@@ -32,6 +33,7 @@ FEATURES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "sampler_processes": ("mesh.sampler_processes", lambda c: bool(c.mesh.sampler_processes)),
     "prompt_buckets": ("data.prompt_buckets", lambda c: bool(c.data.prompt_buckets)),
     "partial_rollouts": ("rl.partial_rollouts", lambda c: c.rl.partial_rollouts),
+    "images": ("image prompts ([model.vision], a qwen2_5_vl checkpoint or data.source='visual')", is_image_run),
 }
 
 
@@ -97,7 +99,7 @@ _SEPARATE_DEVICES = ("sampler_devices", "overlaps sampling and training on separ
 _SINGLE_SOURCE = frozenset({"tensor_sampler", "sampler_devices"})
 DRIVERS: dict[str, DriverSpec] = {
     "sync": DriverSpec(build_sync, "rl.mode=sync", "",
-                       frozenset({"dynamic_sampling", "tensor_sampler", "sampler_devices", "prompt_buckets"})),
+                       frozenset({"dynamic_sampling", "tensor_sampler", "sampler_devices", "prompt_buckets", "images"})),
     "episodes": DriverSpec(build_episodes, "[env]", "remove [env]",
                            frozenset({"env", "sampler_devices", "prompt_buckets"})),
     "host": DriverSpec(build_host, "host-steered batching",

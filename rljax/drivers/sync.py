@@ -4,7 +4,9 @@ compiled program (`rljax.stages.iteration.make_iteration`), or two on split layo
 sync, the trainer's); with an `[env]` the rollout is multi-turn episodes, still one program
 (`rljax.stages.episodes`), and the env's host side is the callback whose time is reported.
 
-Iteration `it` draws the pipeline's next batch and samples with key fold_in(loop key, it).
+Iteration `it` draws the pipeline's next batch and samples with key fold_in(loop key, it). A
+batch of image prompts carries its `PromptImages` (`rljax.data.prompt_images`) into the same
+iteration; a text batch carries None.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ class SyncDriver(Driver):
         self._layout, self.fused = layout, fused
 
     def step(self, state, it: int):
-        prompts = prompt_arrays(next(self.data), self._layout)
-        return self.iteration(state, *prompts, jax.random.fold_in(self._key, it))
+        batch = next(self.data)  # its `images` is None for text prompts (no leaves: the text program)
+        prompts = prompt_arrays(batch, self._layout)
+        return self.iteration(state, *prompts, jax.random.fold_in(self._key, it), images=batch.images)
 
 
 def build_sync(run, template) -> SyncDriver:

@@ -21,7 +21,8 @@ from rljax.data.example import Example, verifier_metadata
 from rljax.data.templates import PromptFormat, encode_prompts
 from rljax.evaluation.metrics import mean_pass_at_k, mean_with_ci
 from rljax.rewards import AUDIT_PART, RewardFn
-from rljax.sampling import SampleControls, generate
+from rljax.sampling import SampleControls
+from rljax.sampling.vision import generate_prompts
 from rljax.tokenizers import pad_batch
 
 
@@ -31,6 +32,8 @@ class EvalSetup:
 
     `examples` are the problems whose prompts fit; `num_too_long` more were dropped for encoding
     to more than `max_prompt_len` tokens. `controls` has the tokenizer's EOS and pad ids filled.
+    `images`: the host step that gives a batch of prompts its pictures
+    (`rljax.data.prompt_images.ImagePrompter`; None: text prompts).
     """
 
     model_cfg: Any
@@ -43,15 +46,24 @@ class EvalSetup:
     controls: SampleControls
     batch_size: int
     num_too_long: int = 0
+    images: Any = None
 
     @classmethod
     def build(cls, model_cfg, examples: Sequence[Example], tokenizer, fmt: PromptFormat, reward_fn: RewardFn,
-              controls: SampleControls, *, max_prompt_len: int, add_bos: bool = True, batch_size: int = 200):
+              controls: SampleControls, *, max_prompt_len: int, add_bos: bool = True, batch_size: int = 200,
+              images=None):
         encoded = encode_prompts(examples, tokenizer, fmt, max_prompt_len=max_prompt_len, add_bos=add_bos)
         tokens, mask = pad_batch(encoded.ids, tokenizer.pad_id, side="left", bucket=16)
         return cls(model_cfg, encoded.examples, tokens, mask, tuple(verifier_metadata(e) for e in encoded.examples),
                    tokenizer, reward_fn, controls.with_tokenizer(tokenizer),
-                   min(batch_size, max(len(encoded.examples), 1)), encoded.num_too_long)
+                   min(batch_size, max(len(encoded.examples), 1)), encoded.num_too_long, images)
+
+    def prompts(self, idx) -> tuple[np.ndarray, np.ndarray, Any]:
+        """(tokens, mask, their `PromptImages` or None) of problems `idx`."""
+        tokens, mask = self.tokens_bt[idx], self.mask_bt[idx]
+        if self.images is None:
+            return tokens, mask, None
+        return self.images([self.examples[i] for i in idx], tokens, mask)
 
     def batches(self):
         n, b = len(self.examples), self.batch_size
@@ -64,7 +76,8 @@ def _judged(setup: EvalSetup, params, idx, controls: SampleControls, key) -> dic
     """``{"correct": [len(idx), n] bool}``: whether each of the n completions of problems `idx` is
     correct, plus ``"audit"``, the stricter check's verdict, when the reward has an audit part."""
     n = controls.num_samples
-    out = generate(setup.model_cfg, params, setup.tokens_bt[idx], setup.mask_bt[idx], key=key, controls=controls)
+    tokens, mask, images = setup.prompts(idx)
+    out = generate_prompts(setup.model_cfg, params, tokens, mask, key=key, controls=controls, images=images)
     tokens, mask = jax.device_get((out.tokens, out.mask))
     texts = setup.tokenizer.decode_batch([row[m].tolist() for row, m in zip(tokens, mask)])
     rows = np.repeat(idx, n)

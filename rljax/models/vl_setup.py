@@ -46,6 +46,13 @@ def is_vl_checkpoint(path) -> bool:
     return cfg.exists() and json.loads(cfg.read_text()).get("model_type") == "qwen2_5_vl"
 
 
+def is_image_run(cfg) -> bool:
+    """Whether a run config (`rljax.train.config.TrainConfig`) trains a vision-language policy or
+    asks for image data: `[model.vision]`, a `qwen2_5_vl` checkpoint, or `data.source="visual"`."""
+    ckpt = cfg.model.checkpoint
+    return cfg.model.vision.enabled or cfg.data.source == "visual" or (ckpt is not None and is_vl_checkpoint(ckpt))
+
+
 def default_mrope_section(head_dim: int) -> tuple[int, int, int]:
     half = head_dim // 2
     t = half // 4

@@ -27,7 +27,8 @@ from rljax.models.vlm import (VLConfig, VLInputs, image_embeddings, prepare_inpu
 from rljax.sampling import decode as D
 from rljax.sampling.continuous import trim
 from rljax.sampling.controls import SampleControls, StaticControls
-from rljax.sampling.sampler import pad_prompts
+from rljax.sampling.sampler import generate, pad_prompts
+from rljax.sampling.traced import sample
 
 
 def require_vision(cfg, what: str = "images") -> VLConfig:
@@ -65,6 +66,45 @@ def sample_static_vl(cfg: VLConfig, params, prompt_bt, mask_bt, inputs: VLInputs
 
 
 _static_vl_jit = jax.jit(sample_static_vl, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
+
+
+def check_image_controls(controls: SampleControls) -> None:
+    """Image prompts sample with the static scheduler: one line naming it otherwise."""
+    if controls.scheduler != "static":
+        raise ConfigError(f"image prompts sample with sampling.scheduler='static' (the tower runs once per prompt "
+                          f"before a static decode); the {controls.scheduler!r} scheduler does not take images yet")
+
+
+def sample_images(images, params, prompt_bt, mask_bt, key, controls: SampleControls) -> D.SampleResult:
+    """`sample_static_vl` on prompts with their `rljax.data.prompt_images.PromptImages`: P * n rows,
+    prompt-major, `max_new_tokens` wide (traceable)."""
+    check_image_controls(controls)
+    rows = prompt_bt.shape[0] * controls.num_samples
+    new_bucket = D.bucket_length(controls.max_new_tokens)
+    out = sample_static_vl(images.vl, params, prompt_bt, mask_bt, images.inputs, key,
+                           jnp.int32(controls.max_new_tokens), controls.scalars(), jnp.int32(rows),
+                           spec=controls.static(), num_samples=controls.num_samples, new_bucket=new_bucket)
+    return trim(out, rows, controls.max_new_tokens)
+
+
+def sample_prompts(cfg, params, prompt_bt, mask_bt, key, controls: SampleControls, images=None) -> D.SampleResult:
+    """The rollout's sampler (traceable): `rljax.sampling.sample` on text prompts (`images` None),
+    `sample_images` on prompts with images (the tower once per prompt)."""
+    if images is None:
+        return sample(cfg, params, prompt_bt, mask_bt, key, controls)
+    return sample_images(images, params, prompt_bt, mask_bt, key, controls)
+
+
+_images_jit = jax.jit(sample_images, static_argnames=("controls",))
+
+
+def generate_prompts(cfg, params, prompt_bt, mask_bt, *, key: jax.Array, controls: SampleControls,
+                     images=None) -> D.SampleResult:
+    """`rljax.sampling.generate` (host entry, the evaluator's) for text prompts, or for prompts
+    with their `PromptImages` the jitted `sample_images`."""
+    if images is None:
+        return generate(cfg, params, prompt_bt, mask_bt, key=key, controls=controls)
+    return _images_jit(images, params, prompt_bt, mask_bt, key, controls)
 
 
 def patch_bucket(num_patches: int, unit: int = 4) -> int:

@@ -38,7 +38,7 @@ from rljax.envs.masks import MODEL, PAD
 from rljax.sampling import SampleControls
 from rljax.sampling import multiturn as MT
 from rljax.sharding import Layout
-from rljax.stages.iteration import fuse
+from rljax.stages.iteration import fuse, no_images
 from rljax.stages.rollout import PREVIEW_ROWS, RolloutPreview
 from rljax.update import RolloutBatch
 from rljax.update.batch import TurnReturns
@@ -145,9 +145,12 @@ def make_episode_iteration(controls: SampleControls, host: EpisodeHost, options:
     def record(state):  # routing replay: the episodes record every token's experts
         return controls.replace(record_routes=True) if state.algo.needs.routes else controls
 
-    return fuse(lambda state, prompt_tokens_pt, prompt_mask_pt, index_p, key: episode_rollout(
-        state.model_cfg, state.sampler_params(), prompt_tokens_pt, prompt_mask_pt, index_p, key,
-        controls=record(state), host=host, options=options), layout=layout)
+    def rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, key, images):
+        no_images(images, "multi-turn episodes")
+        return episode_rollout(state.model_cfg, state.sampler_params(), prompt_tokens_pt, prompt_mask_pt, index_p,
+                               key, controls=record(state), host=host, options=options)
+
+    return fuse(rollout_of, layout=layout)
 
 
 def episode_controls(controls: SampleControls, tokenizer, env: EnvConfig) -> SampleControls:

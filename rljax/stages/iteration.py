@@ -53,10 +53,10 @@ def merge_metrics(*parts: dict) -> dict:
 
 
 def _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling):
-    def fn(cfg, needs, params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+    def fn(cfg, needs, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, images=None):
         return rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
                        reward_callback=reward_callback, num_groups=num_groups, needs=needs,
-                       dynamic_sampling=dynamic_sampling)
+                       dynamic_sampling=dynamic_sampling, images=images)
     return fn
 
 
@@ -72,39 +72,27 @@ def _score_fn(controls, reward_callback, num_groups, dynamic_sampling):
 
 def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_groups: int,
                    dynamic_sampling: bool = False, layout: Layout | None = None):
-    """Builds `iteration(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (state, metrics,
-    preview)`, ONE jitted program with the state donated. The rollout produces what the objective
-    needs (`state.algo.needs`, static). With a `layout` (the trainer's), the new state comes back
-    in it and the metrics and preview come back replicated (readable on every process)."""
+    """Builds `iteration(state, prompt_tokens_pt, prompt_mask_pt, index_p, key, images=None) ->
+    (state, metrics, preview)`, ONE jitted program with the state donated. The rollout produces
+    what the objective needs (`state.algo.needs`, static). `images`: the prompts'
+    `rljax.data.prompt_images.PromptImages` (None, no leaves: text prompts). With a `layout` (the
+    trainer's), the new state comes back in it and the metrics and preview come back replicated
+    (readable on every process)."""
     roll = _rollout_fn(controls, reward_callback, num_groups, dynamic_sampling)
     return fuse(lambda state, *prompts_and_key: roll(state.model_cfg, state.algo.needs, state.sampler_params(),
                                                       *prompts_and_key), layout=layout)
 
 
-def pinned_update(layout: Layout | None) -> Callable:
-    """`update`, traced with each row's hidden states kept on the trainer layout's devices that
-    hold the row (`Layout.pinned_rows`; `rljax.models.row_pinning` says why); plain `update` on
-    one device."""
-    if layout is None:
-        return update
-
-    def update_in_layout(state: TrainState, batch, key):
-        with layout.pinned_rows():
-            return update(state, batch, key)
-
-    return update_in_layout
-
-
 def fuse(rollout_of: Callable, *, layout: Layout | None = None):
-    """`rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, key) -> (batch, metrics,
-    preview)` followed by the update, as ONE jitted program with the state donated (the form
-    `make_iteration` and the multi-turn episode iteration share)."""
-    update_program = pinned_update(layout)
+    """`rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, key, images) -> (batch,
+    metrics, preview)` followed by the update, as ONE jitted program with the state donated (the
+    form `make_iteration` and the multi-turn episode iteration share)."""
 
-    def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+    def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key, images=None):
         k_sample, k_update = jax.random.split(key)
-        batch, rollout_metrics, preview = rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample)
-        state, train_metrics = update_program(state, batch, k_update)
+        batch, rollout_metrics, preview = rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample,
+                                                     images)
+        state, train_metrics = update(state, batch, k_update)
         metrics = merge_metrics(rollout_metrics, train_metrics)
         if layout is not None:
             # Pin the outputs: the state leaves as it came (so the next call hits the compile
@@ -132,7 +120,8 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
     to_sampler, sampler_params_sh, sample_jit, update_jit, batch_sh = (
         p.to_sampler, p.sampler_params_sh, p.sample_jit, p.update_jit, p.batch_sh)
 
-    def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key):
+    def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key, images=None):
+        no_images(images, "a sampler layout of its own")
         t_sync = time.perf_counter()
         params, _ = sync_weights(jax.block_until_ready(to_sampler(state)), sampler_params_sh)
         sync_s = time.perf_counter() - t_sync
@@ -150,11 +139,15 @@ def make_split_iteration(controls: SampleControls, reward_callback: Callable, st
     return iteration
 
 
-def _stage_programs(roll, cfg, needs, trainer: Layout | None = None):
+def no_images(images, where: str) -> None:
+    """Image prompts reach only the fused sync iteration (the drivers' table refuses the rest)."""
+    if images is not None:
+        raise ValueError(f"image prompts reached {where}, which does not take them")
+
+
+def _stage_programs(roll, cfg, needs):
     """The sampling and update stages as functions of their inputs, splitting `key` as the fused
-    iteration does (sample with the first half, update with the second); the update's rows
-    pinned to the `trainer` layout (`pinned_update`)."""
-    update_in_layout = pinned_update(trainer)
+    iteration does (sample with the first half, update with the second)."""
 
     def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         k_sample, _ = jax.random.split(key)
@@ -162,7 +155,7 @@ def _stage_programs(roll, cfg, needs, trainer: Layout | None = None):
 
     def update_program(state, batch, key):
         _, k_update = jax.random.split(key)
-        return update_in_layout(state, batch, k_update)
+        return update(state, batch, k_update)
 
     return sample_program, update_program
 
@@ -194,7 +187,7 @@ def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups
     # LoRA: the sampler's copy is the base with the adapters merged, built in the trainer layout
     to_sampler = jax.jit(TrainState.sampler_params) if state.lora is not None else TrainState.sampler_params
 
-    sample_program, update_program = _stage_programs(roll, cfg, needs, trainer)
+    sample_program, update_program = _stage_programs(roll, cfg, needs)
 
     prompts_in = sampler.rows(num_prompts)
     sample_jit = jax.jit(sample_program,

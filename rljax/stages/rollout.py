@@ -22,7 +22,8 @@ from rljax.data.filtering import dynamic_sample
 from rljax.errors import ConfigError
 from rljax.objectives.config import RolloutNeeds
 from rljax.rewards.audit import audit_disputed, audit_metrics
-from rljax.sampling import FINISH_LENGTH, SampleControls, SampleResult, sample
+from rljax.sampling import FINISH_LENGTH, SampleControls, SampleResult
+from rljax.sampling.vision import sample_prompts
 from rljax.update import RolloutBatch
 
 PREVIEW_ROWS = 4
@@ -50,32 +51,34 @@ def _repeat_rows(x, n):
 
 
 def greedy_baseline(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, controls: SampleControls,
-                    reward_callback: Callable):
+                    reward_callback: Callable, images=None):
     """ReMax's baseline (Li et al., 2023): the reward of each prompt's greedy completion, [P]."""
-    greedy = sample(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls.greedy_version())
+    greedy = sample_prompts(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls.greedy_version(), images)
     return reward_callback(greedy.tokens, greedy.mask, index_p).total_b
 
 
 def rollout(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, *, controls: SampleControls,
             reward_callback: Callable, num_groups: int, needs: RolloutNeeds = RolloutNeeds(),
-            dynamic_sampling: bool = False) -> tuple[RolloutBatch, dict[str, jax.Array], RolloutPreview]:
+            dynamic_sampling: bool = False, images=None) -> tuple[RolloutBatch, dict[str, jax.Array], RolloutPreview]:
     """Sample, score and select: the update's `RolloutBatch` of `num_groups` x n rows, the
     `rollout/...` metrics (over every sampled row) and a preview of a few rows.
 
     P prompts are sampled (P > num_groups over-samples for dynamic sampling, DAPO 2025: groups
     whose rewards all agree are dropped, and missing groups are filled with masked copies).
+    `images`: the prompts' `rljax.data.prompt_images.PromptImages` (None: text prompts); the
+    tower runs once per prompt and each row of the batch carries its prompt's images.
     """
     # routing replay: the sampler records each token's experts (`SampleControls.record_routes`)
-    out = sample(cfg, params, prompt_tokens_pt, prompt_mask_pt, key,
-                 controls.replace(record_routes=True) if needs.routes else controls)
+    out = sample_prompts(cfg, params, prompt_tokens_pt, prompt_mask_pt, key,
+                         controls.replace(record_routes=True) if needs.routes else controls, images)
     return rollout_from_samples(cfg, params, out, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
                                 reward_callback=reward_callback, num_groups=num_groups, needs=needs,
-                                dynamic_sampling=dynamic_sampling)
+                                dynamic_sampling=dynamic_sampling, images=images)
 
 
 def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, prompt_mask_pt, index_p, key, *,
                          controls: SampleControls, reward_callback: Callable, num_groups: int,
-                         needs: RolloutNeeds = RolloutNeeds(), dynamic_sampling: bool = False
+                         needs: RolloutNeeds = RolloutNeeds(), dynamic_sampling: bool = False, images=None
                          ) -> tuple[RolloutBatch, dict[str, jax.Array], RolloutPreview]:
     """`rollout` after its sampling: score and select completions `out` ([P * n, C], prompt-major)
     sampled elsewhere, e.g. by an interruptible rollout whose tokens came from several policy
@@ -88,7 +91,7 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
     baseline_p = None
     if needs.greedy_baseline:
         baseline_p = greedy_baseline(cfg, params, prompt_tokens_pt, prompt_mask_pt, index_p, key, controls=controls,
-                                     reward_callback=reward_callback)
+                                     reward_callback=reward_callback, images=images)
         metrics["rollout/baseline_reward_mean"] = jnp.mean(baseline_p)
     if dynamic_sampling:  # under ReMax a group is informative when a sample's reward differs from the greedy one
         sel = dynamic_sample(rewards.total_b.reshape(p, n), num_groups, baseline_p=baseline_p)
@@ -120,7 +123,8 @@ def rollout_from_samples(cfg, params, out: SampleResult, prompt_tokens_pt, promp
         rewards_b=take(rewards.total_b), group_ids_b=jnp.repeat(jnp.arange(num_groups), n),
         completion_len=controls.max_new_tokens, baseline_rewards_b=baseline,
         verifier_rewards_b=take(rewards.parts["correct"]) if "correct" in rewards.parts else None,
-        routes_btlk=routes)
+        routes_btlk=routes,
+        vision=None if images is None else images.rows_for(groups_g, n, out.tokens.shape[1]))
     lengths = out.lengths.astype(jnp.float32)
     metrics.update({
         "rollout/reward_mean": jnp.mean(rewards.total_b),

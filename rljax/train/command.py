@@ -118,6 +118,8 @@ def _run_config(run_dir: str, step: str):
 def _eval(args: argparse.Namespace) -> int:
     import json
 
+    import jax
+
     from rljax.checkpoint import load_params
     from rljax.envs import get_format
     from rljax.evaluation.runner import EvalSetup, accuracy_by_task, greedy_judged, sampled_eval
@@ -127,17 +129,23 @@ def _eval(args: argparse.Namespace) -> int:
     from rljax.train import setup
     from rljax.models.setup import build_tokenizer
     from rljax.train.run import sample_controls
+    from rljax.train.vision_setup import build_vision
 
     cfg, picked = _run_config(args.run_dir, args.step)
     step = picked.step
     print(f"evaluating {picked.describe()} of {args.run_dir}", file=sys.stderr)
-    model_cfg, params = load_params(picked.checkpoints, step)
     tokenizer = build_tokenizer(cfg.model)
+    vision = build_vision(cfg, tokenizer, jax.random.key(0), (None, None))  # None: a text policy
+    template = None if vision is None else jax.eval_shape(lambda: vision.params)
+    model_cfg, params = load_params(picked.checkpoints, step, params_template=template)
+    tokenizer = tokenizer if vision is None else vision.tokenizer
     controls = sample_controls(cfg, tokenizer)
+    held_out = setup.eval_split(cfg)
     # the training run's held-out problems and reward: per source, routed by task, for a mixture
-    evaluator = EvalSetup.build(model_cfg, setup.eval_split(cfg), tokenizer, setup.prompt_format(cfg.data),
+    evaluator = EvalSetup.build(model_cfg, held_out, tokenizer, setup.prompt_format(cfg.data),
                                 setup.run_reward(cfg), controls,
-                                max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
+                                max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos,
+                                images=None if vision is None else vision.prompter(cfg, held_out))
     result = {"step": step, "picked": picked.picked, "problems": len(evaluator.examples),
               "prompts_too_long": evaluator.num_too_long}
     if picked.metric is not None:  # what the run measured at this step, beside what eval measures now

@@ -41,7 +41,6 @@ from rljax.train.progress import CompileCounter, Progress
 from rljax.train.run import Run, abstract_train_state, build_run
 from rljax.train.sampler_host import run_sampler
 from rljax.train.start import evaluate, initial_state
-from rljax.train.vl_loop import is_vl_run, train_vl
 from rljax.update import TrainState, reset_reference
 
 
@@ -60,8 +59,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> RunResult:
     if is_sampler_process(cfg.mesh):  # a sampler host of a multi-process async run: it only produces
         run_sampler(cfg, log=log)
         return RunResult(epath.Path(cfg.output_dir), None, [], float("nan"), float("nan"), None)
-    if is_vl_run(cfg):  # a vision-language policy: its own loop (rljax.train.vl_loop)
-        return RunResult(*train_vl(cfg, resume=resume, log=log))
     run = build_run(cfg, resume=resume, log=log)
     template = abstract_train_state(run)
     driver = DRIVERS[cfg.driver].build(run, template)

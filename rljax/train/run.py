@@ -1,6 +1,7 @@
 """The run's pieces, built once from its config: `build_run(cfg) -> Run`.
 
-Tokenizer, policy (born sharded in the trainer layout), LoRA, frozen teacher and reward model,
+Tokenizer, policy (born sharded in the trainer layout; a vision-language one from
+`rljax.train.vision_setup`, whose prompt batches carry their images), LoRA, frozen teacher and reward model,
 the prompt source (the seeded single-source pipeline, or a mixture's host sampler), the reward,
 the held-out evaluator, the metrics writer and the checkpointer. A driver
 (`rljax.drivers.DRIVERS`) reads what it needs from `Run` by attribute.
@@ -27,6 +28,7 @@ from rljax.rewards.learned import LearnedReward
 from rljax.tokenizers import Tokenizer
 from rljax.data.mixture import MixtureSampler
 from rljax.data.pipeline import PromptData, prompt_batches
+from rljax.data.prompt_images import ImagePrompter
 from rljax.data.replay import ReplayBuffer
 from rljax.errors import CheckpointError
 from rljax.evaluation.runner import EvalSetup
@@ -40,6 +42,7 @@ from rljax.sharding.placement import build_layouts, checkpoint_processes, data_p
 from rljax.storage import check_writable
 from rljax.train.config import TrainConfig
 from rljax.train.metrics_writer import MetricsWriter
+from rljax.train.vision_setup import build_vision
 from rljax.train.setup import (build_env, build_selection, build_sources, build_splits, eval_split, interleave,
                                lora_summary, prompt_format, run_reward, run_summary)
 from rljax.update import TrainState, init_train_state
@@ -74,6 +77,7 @@ class Run:
     env: Environment | None = None  # the `[env]` section's environment (multi-turn episodes)
     teacher: FrozenModel | None = None  # the frozen distillation teacher
     reward_model: LearnedReward | None = None  # the learned reward
+    images: ImagePrompter | None = None  # the host step giving prompts their pictures (None: text prompts)
 
     @property
     def examples(self):
@@ -97,7 +101,11 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     trainer_layout, sampler_layout = build_layouts(cfg.mesh)
     k_init, k_warm, k_loop = jax.random.split(jax.random.key(cfg.seed), 3)
     tokenizer = build_tokenizer(cfg.model)
-    model_cfg, params = build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
+    vision = build_vision(cfg, tokenizer, k_init, (trainer_layout, sampler_layout))  # None: a text policy
+    if vision is None:
+        model_cfg, params = build_policy(cfg.model, tokenizer, k_init, trainer_layout)  # born sharded
+    else:  # the decoder's config; the tower's travels with each batch's images
+        model_cfg, params, tokenizer = vision.cfg.text, vision.params, vision.tokenizer
     lora, adapters = build_lora(cfg.lora, model_cfg)
     if needs_choice(cfg):  # the fastest remat mode (and micro-batches) the memory plan fits (cached per configuration)
         choice = choose_remat(cfg, model_cfg, tokenizer=tokenizer)
@@ -108,7 +116,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     reward_model = (build_reward_model(cfg.reward.model, model_cfg, tokenizer, trainer_layout)
                     if cfg.reward.model.enabled else None)
     fmt = prompt_format(cfg.data)
-    data = sampler = replay = None
+    data = sampler = replay = images = None
     if cfg.host_batching:
         sources = build_sources(cfg.data)
         train_set = interleave(s.train for s in sources)
@@ -128,15 +136,16 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
     else:
         train_set, held_out, skipped = build_splits(cfg.data)
         reward_fn = build_reward(cfg.reward)
+        images = None if vision is None else vision.prompter(cfg, train_set[:8] + held_out[:8])
         data = prompt_batches(train_set, tokenizer=tokenizer, batch_size=cfg.rl.num_prompts, seed=cfg.data.seed,
                               max_prompt_len=cfg.data.max_prompt_tokens, fmt=fmt,
                               buckets=cfg.data.prompt_buckets or None, add_bos=cfg.data.add_bos,
-                              **data_processes(cfg.mesh))
+                              images=None if images is None else images.add_to, **data_processes(cfg.mesh))
         num_too_long = data.num_too_long
         held_out = held_out[:cfg.eval.size]
     controls = sample_controls(cfg, tokenizer)
     evaluator = EvalSetup.build(model_cfg, held_out, tokenizer, fmt, reward_fn, controls,
-                                max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
+                                max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos, images=images)
     dropped = {"skipped rows": skipped, "training prompts over data.max_prompt_tokens (dropped)": num_too_long,
                "held-out prompts over data.max_prompt_tokens (dropped)": evaluator.num_too_long}
     log(run_summary(cfg, model_cfg, params, train_set, held_out)
@@ -160,7 +169,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                trainer_layout=trainer_layout, sampler_layout=sampler_layout, tokenizer=tokenizer,
                model_cfg=model_cfg, params=params, lora=lora, adapters=adapters, train_set=train_set, fmt=fmt,
                reward_fn=reward_fn, data=data, sampler=sampler, replay=replay,
-               controls=controls, evaluator=evaluator, writer=writer, ckpt=ckpt, log=log)
+               controls=controls, evaluator=evaluator, writer=writer, ckpt=ckpt, log=log, images=images)
 
 
 def new_train_state(run: Run, params) -> TrainState:

@@ -43,6 +43,10 @@ def build_splits(section: DataSection) -> tuple[tuple[Example, ...], tuple[Examp
         sources = build_sources(section)
         return interleave(s.train for s in sources), tuple(e for s in sources for e in s.held_out), 0
     one = section.single
+    if one.kind == "visual":  # generated pictures (`rljax.data.visual_tasks`): held out by drawing
+        from rljax.train.vision_setup import visual_splits
+
+        return visual_splits(one)
     if one.kind == "reasoning_gym":
         src = load_task("reasoning_gym", name=one.task, size=one.size + one.eval_size, seed=section.seed,
                         **one.task_kwargs)

@@ -91,7 +91,8 @@ def warm_start(run: Run):
     sft_set, validation_set = warm_start_split(run.train_set, cfg.warm_start.validation_size if validates else 0)
     validation = EvalSetup.build(run.model_cfg, validation_set or run.train_set[:cfg.warm_start.validation_size],
                                  run.tokenizer, run.fmt, run.reward_fn, run.controls,
-                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos)
+                                 max_prompt_len=cfg.data.max_prompt_tokens, add_bos=cfg.data.add_bos,
+                                 images=run.images)
     if run.env is not None:  # scripted tool-use episodes; validated by greedy episodes
         options = cfg.env
         controls = episode_controls(run.controls, run.tokenizer, run.cfg.env)
@@ -99,7 +100,7 @@ def warm_start(run: Run):
         return run_tool_warm_start(cfg, run.model_cfg, params, run.tokenizer, sft_set, run.fmt, run.env,
                                    run.keys["warm"], accuracy=accuracy, log=run.log)
     return run_warm_start(cfg, run.model_cfg, params, run.tokenizer, sft_set, run.fmt, run.keys["warm"],
-                          validation=validation, log=run.log)
+                          validation=validation, images=run.images, log=run.log)
 
 
 def _eval_params(params, run: Run):

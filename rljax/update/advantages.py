@@ -35,11 +35,12 @@ sg = jax.lax.stop_gradient
 
 
 def _chunked(fn, chunks: int, *arrays):
-    """fn over `chunks` row blocks with lax.map (bounded memory for no-grad scoring passes)."""
+    """fn over `chunks` row blocks with lax.map (bounded memory for no-grad scoring passes);
+    `arrays` are [B, ...] arrays or pytrees of them."""
     if chunks == 1:
         return fn(*arrays)
-    split = [a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]) for a in arrays]
-    out = jax.lax.map(lambda xs: fn(*xs), tuple(split))
+    split = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), tuple(arrays))
+    out = jax.lax.map(lambda xs: fn(*xs), split)
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
 
 
@@ -111,6 +112,13 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
     rows_in = (toks, attn) if routes is None else (toks, attn, routes)
 
     def score(params):
+        if batch.vision is not None:  # image rows: each block's images spliced into `params`
+            def with_images(t, a, v):
+                lm, rope = v.splice(params)
+                return token_logprobs(cfg, lm, t, a, chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab,
+                                      **rope)[0]
+
+            return sg(_chunked(with_images, chunks, toks, attn, batch.vision))
         return sg(_chunked(lambda t, a, *r: token_logprobs(cfg, params, t, a, chunk_size=lp_chunks.time,
                                                            vocab_chunk=lp_chunks.vocab,
                                                            routes_lbtk=replayed_routes(*r) if r else None)[0],

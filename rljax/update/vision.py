@@ -8,7 +8,7 @@ Every leaf is row-aligned ([B, ...]), so the update's mini- and micro-batch spli
 shuffles cut the images with their rows. The tower therefore runs once per row in the update
 (each row's gradient reaches it), while the sampler runs it once per prompt
 (`rljax.sampling.vision`); the rows of a prompt carry the same patches, so both encode the same
-embeddings. `train_vision=False` stops the gradient at the tower's output and the update zeroes
+embeddings. `train_b` False (`model.train_vision=false`) stops the gradient at the tower's output and the update zeroes
 the tower's optimiser updates (`freeze_tower`), so a frozen tower is bitwise unchanged whatever
 the optimiser's weight decay (right for a pretrained tower, never for a random one).
 Image slots lie in the prompt, outside the loss mask: attended to, never trained on.
@@ -57,7 +57,7 @@ class VisionRows:
     [B, >= T, H] the M-RoPE tables by mask position (`rljax.models.mrope.mrope_table`)."""
 
     vision: VisionConfig = flax.struct.field(pytree_node=False)
-    train_vision: bool = flax.struct.field(pytree_node=False)
+    train_b: jax.Array  # bool [B]: the tower trains on this row (a leaf, so frozen and trained share one program)
     pixels_bnp: jax.Array
     hw_bn2: jax.Array
     image_bn: jax.Array
@@ -72,7 +72,7 @@ class VisionRows:
             return vision_tower(self.vision, visual_params, pixels_np, PatchLayout(hw_n2, image_n, window_n))
 
         image_bmd = jax.vmap(one)(self.pixels_bnp, self.hw_bn2, self.image_bn, self.window_bn)
-        return image_bmd if self.train_vision else jax.lax.stop_gradient(image_bmd)
+        return jnp.where(self.train_b[:, None, None], image_bmd, jax.lax.stop_gradient(image_bmd))
 
     def splice(self, params) -> tuple[Any, dict[str, Any]]:
         """(the decoder's params with the images spliced into its embedding, the keyword arguments
@@ -88,21 +88,19 @@ class VisionRows:
 def freeze_tower(updates, vision: VisionRows | None):
     """The optimiser's updates with the tower's zeroed when the batch's tower is frozen (so
     weight decay and momentum cannot move it either); unchanged otherwise."""
-    if vision is None or vision.train_vision or not isinstance(updates, dict) or "visual" not in updates:
+    if vision is None or not isinstance(updates, dict) or "visual" not in updates:
         return updates
-    return {**updates, "visual": jax.tree.map(jnp.zeros_like, updates["visual"])}
+    train = jnp.any(vision.train_b)
+    return {**updates, "visual": jax.tree.map(lambda u: jnp.where(train, u, jnp.zeros_like(u)), updates["visual"])}
 
 
 # What the update does not run with images yet, each with the setting that turns it off.
 UNSUPPORTED = (
     ("update.packing", lambda state: state.update_cfg.packing, "update.packing=false"),
-    ("algorithm.recompute_old_logp", lambda state: state.algo.recompute_old_logp, "algorithm.recompute_old_logp=false"),
-    ("a KL reference", lambda state: state.algo.needs.reference_logp, "algorithm.kl_coef=0"),
     ("a value model", lambda state: state.algo.needs.values, "a critic-free algorithm (grpo)"),
     ("a teacher", lambda state: state.teacher is not None, "algorithm.distill='none'"),
     ("a learned reward", lambda state: state.reward_model is not None, "no [reward.model]"),
     ("token controls", lambda state: bool(state.algo.token_controls), "no Clip-Cov / KL-Cov / entropy selection"),
-    ("LoRA", lambda state: state.adapters is not None, "no [lora]"),
 )
 
 

@@ -25,6 +25,7 @@ from rljax.data.templates import PromptFormat, encode_prompts
 from rljax.errors import DataError
 from rljax.models import ModelConfig, token_logprobs
 from rljax.tokenizers import pad_batch
+from rljax.update.vision import freeze_tower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,20 +68,38 @@ def pack_prompt_completion(prompt_ids: Sequence[Sequence[int]], completion_ids: 
     return tokens, attn, loss
 
 
-def completion_nll(cfg: ModelConfig, params, tokens_bt, attn_bt, loss_bt):
-    """Mean NLL of the loss-masked (completion) tokens: the SFT loss."""
-    logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt)  # chunked from the shapes: bounded memory
+def with_images(images, examples, tokens_bt, attn_bt, loss_bt, prompt_len: int):
+    """An SFT batch (prompt P columns | completion) with the prompts given their images by
+    `images` (an `rljax.data.prompt_images.ImagePrompter`): (tokens, attn, loss, `VisionRows`),
+    the image slots extended over the completion columns."""
+    p_tok, p_mask, prompt_images = images(examples, tokens_bt[:, :prompt_len], attn_bt[:, :prompt_len])
+    completion = tokens_bt.shape[1] - prompt_len
+    tokens = np.concatenate([p_tok, tokens_bt[:, prompt_len:]], axis=1)
+    attn = np.concatenate([p_mask, attn_bt[:, prompt_len:]], axis=1)
+    loss = np.concatenate([np.zeros_like(p_mask), loss_bt[:, prompt_len:]], axis=1)
+    return tokens, attn, loss, prompt_images.rows_for(np.arange(len(examples)), 1, completion)
+
+
+def completion_nll(cfg: ModelConfig, params, tokens_bt, attn_bt, loss_bt, vision=None):
+    """Mean NLL of the loss-masked (completion) tokens: the SFT loss. `vision`: the rows' images
+    (`rljax.update.vision.VisionRows`, spliced as the RL update splices them; None: text rows)."""
+    kw = {}
+    if vision is not None:
+        params, kw = vision.splice(params)
+    logp_bt, _ = token_logprobs(cfg, params, tokens_bt, attn_bt, **kw)  # chunked from the shapes: bounded memory
     w = loss_bt.astype(jnp.float32)
     return -jnp.sum(logp_bt * w) / jnp.maximum(w.sum(), 1.0)
 
 
 def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
-    """A jitted SFT step: (params, opt_state, tokens, attn_mask, loss_mask) -> (params, opt_state, nll)."""
+    """A jitted SFT step: (params, opt_state, tokens, attn_mask, loss_mask, vision=None) ->
+    (params, opt_state, nll); image rows' frozen tower gets no update (`freeze_tower`)."""
 
-    def step(params, opt_state, tokens_bt, attn_bt, loss_bt):
-        nll, grads = jax.value_and_grad(functools.partial(completion_nll, cfg))(params, tokens_bt, attn_bt, loss_bt)
+    def step(params, opt_state, tokens_bt, attn_bt, loss_bt, vision=None):
+        nll, grads = jax.value_and_grad(functools.partial(completion_nll, cfg))(params, tokens_bt, attn_bt, loss_bt,
+                                                                                 vision)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, nll
+        return optax.apply_updates(params, freeze_tower(updates, vision)), opt_state, nll
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -142,7 +161,7 @@ def relative_target(target: float, baseline: float) -> float:
 
 
 def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt, key: jax.Array, *,
-                   validation=None, log=print):
+                   validation=None, images=None, log=print):
     """Up to `cfg.warm_start.steps` SFT steps on (prompt, reference answer + EOS) pairs; returns params.
 
     With `target_accuracy` > 0 the warm start stops as soon as greedy accuracy on `validation` (an
@@ -194,7 +213,11 @@ def run_warm_start(cfg, model_cfg: ModelConfig, params, tokenizer, examples, fmt
         tokens, attn, loss = pack_prompt_completion([pairs.prompt_ids[j] for j in idx],
                                                     [pairs.completion_ids[j] for j in idx], tokenizer.pad_id,
                                                     pairs.prompt_len, pairs.completion_len)
-        params, opt_state, nll = step(params, opt_state, tokens, attn, loss)
+        vision = None
+        if images is not None:  # the prompts' pictures (`rljax.data.prompt_images.ImagePrompter`)
+            tokens, attn, loss, vision = with_images(images, [pairs.examples[j] for j in idx], tokens, attn, loss,
+                                                     pairs.prompt_len)
+        params, opt_state, nll = step(params, opt_state, tokens, attn, loss, vision)
         if (target or ws.patience) and validation is not None and (i + 1) % ws.check_every == 0:
             accuracies.append(greedy_accuracy(validation, params))
             nlls.append(validation_nll(params) if validation_nll else float("nan"))

@@ -89,7 +89,7 @@ def test_images_for_a_model_without_a_tower_are_one_line():
     from rljax.update.vision import VisionRows
 
     vl = _vl()
-    rows = VisionRows(vision=vl.vision, train_vision=True, pixels_bnp=jnp.zeros((1, 4, 1176)),
+    rows = VisionRows(vision=vl.vision, train_b=jnp.ones((1,), bool), pixels_bnp=jnp.zeros((1, 4, 1176)),
                       hw_bn2=jnp.zeros((1, 4, 2), jnp.int32), image_bn=jnp.zeros((1, 4), jnp.int32),
                       window_bn=jnp.zeros((1, 4), jnp.int32), image_bt=jnp.zeros((1, 3), bool),
                       cos_bph=jnp.zeros((1, 3, 8)), sin_bph=jnp.zeros((1, 3, 8)))

@@ -19,8 +19,10 @@ def fake_cfg(mode="sync", **on):
     mesh = NS(sampler="tensor" if on.get("tensor_sampler") else "shared",
               sampler_devices=1 if on.get("sampler_devices") else 0,
               sampler_processes=1 if on.get("sampler_processes") else 0)
-    data = NS(is_mixture=on.get("mixture", False), prompt_buckets=(16,) if on.get("prompt_buckets") else ())
-    cfg = NS(rl=rl, mesh=mesh, data=data, env=NS(enabled=on.get("env", False)))
+    data = NS(is_mixture=on.get("mixture", False), prompt_buckets=(16,) if on.get("prompt_buckets") else (),
+              source="visual" if on.get("images") else "reasoning_gym")
+    model = NS(vision=NS(enabled=on.get("images", False)), checkpoint=None)
+    cfg = NS(rl=rl, mesh=mesh, data=data, model=model, env=NS(enabled=on.get("env", False)))
     cfg.host_batching = data.is_mixture or bool(rl.resample_round_size or rl.replay.capacity)
     return cfg
 
@@ -46,7 +48,7 @@ def _enabling(name: str) -> dict:
 # What each driver runs, written out here from what the drivers implement (docs/architecture.md's
 # table), not read from `DRIVERS`: a table entry that drifts from it fails below.
 SUPPORTED = {
-    "sync": {"dynamic_sampling", "tensor_sampler", "sampler_devices", "prompt_buckets"},
+    "sync": {"dynamic_sampling", "tensor_sampler", "sampler_devices", "prompt_buckets", "images"},
     "episodes": {"env", "sampler_devices", "prompt_buckets"},
     "host": {"mixture", "resampling", "replay", "dynamic_sampling", "tensor_sampler", "sampler_devices",
              "prompt_buckets"},

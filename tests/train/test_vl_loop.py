@@ -1,13 +1,17 @@
-"""`rljax train` on a vision-language recipe (`rljax.train.vl_loop`): configs/vl_default.toml
-shrunk to a tiny random Qwen2.5-VL-shaped model runs 2 iterations end to end (warm start with
+"""`rljax train` on a vision-language recipe runs the text run's loop, sync driver and iteration
+(`rljax.train.loop.train`; images are prompt data, `rljax.data.prompt_images`): configs/
+vl_default.toml shrunk to a tiny random Qwen2.5-VL-shaped model runs end to end (warm start with
 images, the image sampler, the verifier, the update with the tower trained, greedy held-out eval
-with images, the final HF export) with finite metrics; and the settings it does not take are one
-line each."""
+with images), a checkpoint resumes exactly, and the settings it does not take are one line each."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
+import jax
+import numpy as np
 import pytest
 
 from rljax.errors import ConfigError
@@ -16,38 +20,86 @@ from rljax.train.loop import train
 
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "model.num_heads=2",
         "model.num_kv_heads=1", "model.head_dim=16", "model.vision.depth=1", "model.vision.hidden_size=16",
-        "model.vision.intermediate_size=32", "model.vision.fullatt_block_indexes=[]", "data.task_kwargs={image_size=56, short=true}",
-        "data.size=8", "data.eval_size=2", "eval.size=2", "eval.every=1", "warm_start.steps=1",
-        "warm_start.batch_size=2", "rl.iterations=2", "rl.prompts_per_iteration=2", "sampling.num_samples=2",
-        "sampling.max_new_tokens=2"]
+        "model.vision.intermediate_size=32", "model.vision.fullatt_block_indexes=[]",
+        "data.task_kwargs={image_size=56, short=true}", "data.size=8", "data.eval_size=2", "eval.size=2",
+        "eval.every=1", "warm_start.steps=1", "warm_start.batch_size=2", "rl.iterations=3",
+        "rl.prompts_per_iteration=2", "sampling.num_samples=2", "sampling.max_new_tokens=2",
+        "optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=1", "checkpoint.keep_last=10",
+        "mesh.devices=1"]
 
 
-def test_vl_default_trains_two_iterations(tmp_path):
-    """Two iterations of the shrunk vl_default: every logged metric finite, the held-out accuracy
-    measured at the start and after each iteration, the export written. Catches a loop that
-    drops the images between the pipeline and the iteration (the placeholder check raises), a
-    NaN from the spliced update, and a broken eval or export."""
-    cfg = load_config("vl_default", [f"output_dir={tmp_path}/run", *TINY])
-    result = train(cfg)
-    assert [h["step"] for h in result.history] == [0, 1, 2]
+@pytest.fixture(scope="module")
+def vl_run(tmp_path_factory):
+    """Three iterations of the shrunk vl_default, a checkpoint after each."""
+    out = tmp_path_factory.mktemp("vl") / "run"
+    return load_config("vl_default", [f"output_dir={out}", *TINY]), train(load_config("vl_default",
+                                                                                      [f"output_dir={out}", *TINY]))
+
+
+def test_vl_default_runs_through_the_one_loop(vl_run):
+    """Every logged metric finite, the held-out accuracy measured at the start and after each
+    iteration, the tower in the state, a checkpoint per iteration. Catches a driver that drops
+    the images between the pipeline and the iteration (the placeholder count check raises), a NaN
+    from the spliced update, a broken eval with images."""
+    _, result = vl_run
+    assert [h["step"] for h in result.history] == [0, 1, 2, 3]
     for row in result.history[1:]:
         assert row["rollout/tokens"] > 0
+        assert row["update/logp_diff_max"] < 1e-4, row["update/logp_diff_max"]  # the trainer sees the sampler's images
         bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
     assert 0.0 <= result.start_accuracy <= 1.0 and 0.0 <= result.final_accuracy <= 1.0
-    assert (result.output_dir / "final" / "config.json").exists()
     assert "visual" in result.state.params
+    assert sorted(int(p.name) for p in (result.output_dir / "checkpoints").glob("[0-9]*")) == [1, 2, 3]
+
+
+def test_a_killed_vl_run_resumes_exactly(vl_run, tmp_path):
+    """The run's directory as a kill after iteration 1 leaves it (checkpoints 2 and 3 gone),
+    resumed: iterations 2 and 3 give the uninterrupted run's metrics and bitwise its params.
+    Catches a resume that loses the tower's params or optimiser state, replays other prompts (the
+    pipeline state) or other keys, or restores without the images."""
+    cfg, full = vl_run
+    cut = tmp_path / "cut"
+    shutil.copytree(full.output_dir, cut)
+    for step in (2, 3):
+        shutil.rmtree(cut / "checkpoints" / str(step))
+    resumed = train(load_config("vl_default", [f"output_dir={cut}", *TINY]), resume=True)
+    p_full, p_cut = jax.device_get((full.state.params, resumed.state.params))
+    assert "visual" in p_cut
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p_full), jax.tree.leaves(p_cut)))
+    drop = lambda row: {k: v for k, v in row.items() if not k.startswith("time/")}  # noqa: E731
+    assert [drop(r) for r in resumed.history[2:]] == [drop(r) for r in full.history[2:]]
+    rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_rljax_eval_reports_pass_at_k_of_a_vl_checkpoint(vl_run, capsys):
+    """`rljax eval` on the VL run's last checkpoint, as on a text run's: the greedy accuracy the
+    loop measured there (same params, held-out pictures and verifier), and pass@k / mean@k from
+    sampled completions with the images. Catches an eval that cannot restore the tower (the
+    template lacks `visual`), drops the images (the prompts then hold no placeholders: another
+    greedy accuracy, or an error), or reports no pass@k."""
+    from rljax.cli import main
+
+    _, result = vl_run
+    capsys.readouterr()
+    assert main(["eval", str(result.output_dir), "--step", "3", "--samples", "4", "--seeds", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step"] == 3 and out["problems"] == 2
+    assert out["greedy_accuracy"] == result.history[-1]["eval/accuracy"]
+    assert 0.0 <= out["pass@1"] <= out["pass@4"] <= 1.0 and math.isfinite(out["mean@4"])
 
 
 @pytest.mark.parametrize("override, match", [
     (["model.vision.depth=0"], "no vision tower"),
     (["sampling.scheduler=continuous"], "scheduler='static'"),
-    (["rl.dynamic_sampling=true"], "rl.dynamic_sampling"),
+    (["rl.mode=async", "mesh.sampler_devices=1"], "image prompts"),
     (["warm_start.target_accuracy=0.3"], "target_accuracy"),
+    (["rl.dynamic_sampling=true"], "rl.dynamic_sampling"),
 ])
 def test_unsupported_settings_are_one_line(tmp_path, override, match):
-    """A visual task on a text model, a non-static scheduler, dynamic sampling, a warm start that
-    stops on accuracy (the VL warm start does not check it): one line each."""
-    cfg = load_config("vl_default", [f"output_dir={tmp_path}/run", *TINY, *override])
+    """A visual task on a text model, a non-static scheduler, an overlapped driver (the drivers'
+    table: only sync takes images), a warm start that stops on accuracy, dynamic sampling: one
+    line each."""
     with pytest.raises(ConfigError, match=match):
-        train(cfg)
+        train(load_config("vl_default", [f"output_dir={tmp_path}/run", *TINY, *override]))

@@ -63,7 +63,7 @@ def test_warm_start_validates_on_problems_it_never_trains_on(tmp_path, monkeypat
 
     seen = {}
 
-    def capture(cfg, model_cfg, params, tokenizer, examples, fmt, key, *, validation=None, log=print):
+    def capture(cfg, model_cfg, params, tokenizer, examples, fmt, key, *, validation=None, images=None, log=print):
         seen["sft"], seen["validation"] = examples, validation
         return params
 
