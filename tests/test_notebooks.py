@@ -28,7 +28,8 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 KERNEL_ENV = {
     "RLJAX_NOTEBOOK_SMALL": "1",        # the CPU-sized setting
     "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    # -O0 as the suite (tests/conftest.py): LLVM optimises less, the programs are the same.
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONPATH": "",                   # imports come from the kernel's venv only
     # The wheel's dependencies must already be there (the test venv, through a .pth): a missing one
