@@ -29,6 +29,8 @@ def _inspect(args) -> int:
     print(f"{'parameters':28s} {n:,}")
     if cfg.moe is not None:  # a token uses top_k of the experts: the active share of the parameters
         print(f"{'experts':28s} {cfg.moe.num_experts} per layer, {cfg.moe.top_k} active per token")
+        if cfg.moe.dense_layers:  # Qwen's mlp_only_layers / decoder_sparse_step (`rljax.models.mlp_kinds`)
+            print(f"{'dense MLP layers':28s} {list(cfg.moe.dense_layers)} of {cfg.num_layers}")
         print(f"{'active parameters':28s} {n - (cfg.num_params() - cfg.num_active_params()):,}")
     if args.export:
         print(f"exported to {save_hf(cfg, params, args.export)}")

@@ -98,6 +98,9 @@ class ModelConfig:
              f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTION_IMPLEMENTATIONS}")
         need(self.sliding_window_pattern == 0 or self.sliding_window,
              "sliding_window_pattern > 0 needs sliding_window set")
+        if self.moe is not None and self.moe.dense_layers:
+            need(self.moe.dense_layers[-1] < self.num_layers and len(self.moe.dense_layers) < self.num_layers,
+                 f"moe dense_layers={self.moe.dense_layers} must name some but not all of {self.num_layers} layers")
 
     @property
     def params_jnp_dtype(self):
@@ -134,9 +137,10 @@ class ModelConfig:
 
     def num_params(self, include_embeddings: bool = True) -> int:
         d, n, k, h, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
-        mlp = self.moe.params_per_layer(d)[0] if self.moe else 3 * d * f
-        per_layer = d * n * h * 2 + d * k * h * 2 + mlp + 2 * d
-        total = self.num_layers * per_layer + d
+        n_dense = len(self.moe.dense_layers) if self.moe else self.num_layers  # the rest are MoE layers
+        mlp = (self.num_layers - n_dense) * self.moe.params_per_layer(d)[0] if self.moe else 0
+        per_layer = d * n * h * 2 + d * k * h * 2 + 2 * d
+        total = self.num_layers * per_layer + mlp + n_dense * 3 * d * f + d
         if include_embeddings:
             total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total
@@ -146,7 +150,8 @@ class ModelConfig:
         if not self.moe:
             return self.num_params(include_embeddings)
         total, active = self.moe.params_per_layer(self.hidden_size)
-        return self.num_params(include_embeddings) - self.num_layers * (total - active)
+        sparse = self.num_layers - len(self.moe.dense_layers)
+        return self.num_params(include_embeddings) - sparse * (total - active)
 
 
 # ----------------------------------------------------------------------------- HF config.json

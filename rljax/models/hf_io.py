@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from rljax.errors import CheckpointError
 from rljax.models.config import ModelConfig, from_hf_dict, to_hf_dict
+from rljax.models.mlp_kinds import stack_rows
 from rljax.models.moe_hf import EXPERT_LAYOUTS, canonical_suffix, expert_parts, expert_tensors, hub_suffix, moe_layer_map
 from rljax.models.transformer import Params, init_params
 
@@ -68,8 +69,9 @@ def _hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]
         m["self_attn.q_norm.weight"] = ("q_norm", *ident)
         m["self_attn.k_norm.weight"] = ("k_norm", *ident)
     if cfg.moe is not None:  # the MoE MLP's router and shared expert; its experts: `moe_hf.expert_parts`
-        for name in ("gate", "up", "down"):
-            del m[f"mlp.{name}_proj.weight"]
+        if not cfg.moe.dense_layers:  # dense layers keep their SwiGLU (`rljax.models.mlp_kinds`)
+            for name in ("gate", "up", "down"):
+                del m[f"mlp.{name}_proj.weight"]
         m.update(moe_layer_map(cfg))
     return m
 
@@ -169,7 +171,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32", compute_dt
     with _TensorReader() as reader:
         def leaf(key_path, shape, sharding):
             ours = key_path[-1].key
-            layers = range(cfg.num_layers) if key_path[0].key == "layers" else None
+            layers = stack_rows(cfg, ours) if key_path[0].key == "layers" else None
             return _load_leaf(shape.shape, np_dtype, sharding, reader, sources, ours, layers)
         params = jax.tree_util.tree_map_with_path(leaf, shapes, shardings, is_leaf=lambda x: x is None)
     return cfg, params
@@ -217,6 +219,7 @@ def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int
                     ours, to_ours, _ = layer_map[m.group(2)]
                     if layer >= cfg.num_layers:
                         raise CheckpointError(f"tensor {name!r} is past num_hidden_layers={cfg.num_layers}")
+                    _need_kind(cfg, name, ours, layer)
                     want = shapes["layers"][ours].shape[1:]
                 hf_shape = tuple(f.get_slice(name).get_shape())
                 if want is None or _converted_shape(to_ours, hf_shape) != want:
@@ -227,7 +230,7 @@ def _tensor_sources(path: Path, cfg: ModelConfig, shapes) -> dict[tuple[str, int
         if sorted(pieces) == list(range(cfg.moe.num_experts)):
             sources[(ours, layer)] = _Stack(tuple(pieces[e] for e in range(cfg.moe.num_experts)))
     expected = {(k, -1) for k in shapes if k != "layers"}
-    expected |= {(k, i) for k in shapes["layers"] for i in range(cfg.num_layers)}
+    expected |= {(k, i) for k in shapes["layers"] for i in stack_rows(cfg, k)}
     missing = sorted(expected - set(sources))
     if missing:
         key, layer = missing[0]
@@ -251,6 +254,7 @@ def _add_expert_parts(parts, name: str, layer: int, file: Path, f, cfg: ModelCon
         raise CheckpointError(f"tensor {name!r} is past num_hidden_layers={cfg.num_layers}")
     hf_shape = tuple(f.get_slice(name).get_shape())
     for ours, expert, to_ours in parts:
+        _need_kind(cfg, name, ours, layer)
         want = shapes["layers"][ours].shape[1 if expert is None else 2:]
         if _converted_shape(to_ours, hf_shape) != want or (expert is not None and expert >= cfg.moe.num_experts):
             raise CheckpointError(f"tensor {name!r} has shape {list(hf_shape)}, which does not fit config.json "
@@ -259,6 +263,14 @@ def _add_expert_parts(parts, name: str, layer: int, file: Path, f, cfg: ModelCon
             sources[(ours, layer)] = _Source(file, name, to_ours)
         else:
             expert_pieces.setdefault((ours, layer), {})[expert] = _Source(file, name, to_ours)
+
+
+def _need_kind(cfg: ModelConfig, name: str, ours: str, layer: int) -> None:
+    """Refuses an MLP tensor of the other kind than its layer's (an expert in a dense layer of
+    `mlp_only_layers` / `decoder_sparse_step`, or a dense MLP in a sparse one)."""
+    if layer not in stack_rows(cfg, ours):
+        raise CheckpointError(f"tensor {name!r} does not fit layer {layer}'s MLP kind in config.json "
+                              "(mlp_only_layers / decoder_sparse_step); the checkpoint and its config disagree")
 
 
 def _converted_shape(to_ours: Callable, hf_shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -289,8 +301,9 @@ class _TensorReader:
 
 
 def _load_leaf(shape: tuple[int, ...], np_dtype, sharding, reader: _TensorReader,
-               sources: dict[tuple[str, int], _Source], ours: str, layers: range | None) -> jax.Array:
-    """One of our leaves: its tensors read once each (per layer for a stacked leaf) and sliced into
+               sources: dict[tuple[str, int], _Source], ours: str, layers: tuple[int, ...] | None) -> jax.Array:
+    """One of our leaves: its tensors read once each (per layer for a stacked leaf: row j holds
+    layer `layers[j]`, `rljax.models.mlp_kinds.stack_rows`) and sliced into
     one host buffer per distinct shard this process holds; then placed by `sharding` (default
     device when None)."""
     full = tuple(slice(0, n) for n in shape)
@@ -306,11 +319,11 @@ def _load_leaf(shape: tuple[int, ...], np_dtype, sharding, reader: _TensorReader
         for bounds, buf in buffers.values():
             buf[...] = value[bounds]
     else:
-        for i in layers:
+        for row, i in enumerate(layers):
             value = reader.read(sources[(ours, i)])
             for bounds, buf in buffers.values():
-                if bounds[0].start <= i < bounds[0].stop:
-                    buf[i - bounds[0].start] = value[bounds[1:]]
+                if bounds[0].start <= row < bounds[0].stop:
+                    buf[row - bounds[0].start] = value[bounds[1:]]
     if sharding is None:
         return jnp.asarray(buffers[_index_key(full, shape)][1])
     return jax.make_array_from_callback(shape, sharding, lambda index: buffers[_index_key(index, shape)][1])
@@ -328,12 +341,12 @@ def _hf_tensors(cfg: ModelConfig, params: Params, expert_layout: str = "per_expe
     yield "model.embed_tokens.weight", np.asarray(params["embed"])
     for suffix, (ours, _, to_hf) in _hf_layer_map(cfg).items():
         stacked = params["layers"][ours]
-        for i in range(cfg.num_layers):
-            yield f"model.layers.{i}.{rename(suffix)}", np.ascontiguousarray(to_hf(np.asarray(stacked[i])))
+        for row, i in enumerate(stack_rows(cfg, ours)):  # row j of a stack is layer i (`rljax.models.mlp_kinds`)
+            yield f"model.layers.{i}.{rename(suffix)}", np.ascontiguousarray(to_hf(np.asarray(stacked[row])))
     if cfg.moe is not None:
         experts = {k: np.asarray(params["layers"][k]) for k in ("expert_gate", "expert_up", "expert_down")}
-        for i in range(cfg.num_layers):
-            for suffix, arr in expert_tensors(cfg, {k: w[i] for k, w in experts.items()}, expert_layout):
+        for row, i in enumerate(stack_rows(cfg, "expert_gate")):
+            for suffix, arr in expert_tensors(cfg, {k: w[row] for k, w in experts.items()}, expert_layout):
                 yield f"model.layers.{i}.{rename(suffix)}", arr
     yield "model.norm.weight", np.asarray(params["final_norm"])
     if "score" in params:  # a classification head instead of the LM head

@@ -1,6 +1,7 @@
 """The sparse mixture-of-experts MLP (Shazeer et al., 2017; Mixtral, Jiang et al., 2024; Qwen3-MoE),
 one more MLP kind a layer can have: `layer_mlp(cfg)` picks it for every layer of a model whose
-`cfg.moe` is set, and the block calls it where a dense model calls its SwiGLU.
+`cfg.moe` is set (or `mlp_of_kind` per layer where some stay dense: `rljax.models.mlp_kinds`),
+and the block calls it where a dense model calls its SwiGLU.
 
     logits_te = x_td @ router_de                      (f32 accumulate)
     scoring "softmax":       p = softmax(logits); ids, g = top_k(p); g /= sum(g) if norm_topk_prob
@@ -46,6 +47,7 @@ from rljax.models.config import ModelConfig
 from rljax.models.expert_parallel import sharded_experts_apply
 from rljax.models.experts import ExpertWeights, resolve_experts_impl
 from rljax.models.layers import dense_mlp, project
+from rljax.models.mlp_kinds import num_moe_layers
 
 
 class MoEAux(NamedTuple):
@@ -98,21 +100,38 @@ def dense_layer_mlp(x_btd, lp, cfg: ModelConfig, routes_btk=None):
 
 
 def layer_mlp(cfg: ModelConfig):
-    """The MLP kind of `cfg`'s layers: fn(x_btd, lp, cfg, routes_btk=None) -> (y_btd, aux or None)."""
+    """The MLP kind of `cfg`'s layers: fn(x_btd, lp, cfg, routes_btk=None) -> (y_btd, aux or None).
+    For a stack mixing dense and MoE layers, `mlp_of_kind` per layer (`rljax.models.mlp_kinds`)."""
     return moe_mlp if cfg.moe is not None else dense_layer_mlp
 
 
+def mlp_of_kind(kind: str):
+    """The MLP function of a `rljax.models.mlp_kinds` kind ("moe" or "dense")."""
+    return moe_mlp if kind == "moe" else dense_layer_mlp
+
+
 def init_moe_layers(cfg: ModelConfig, normal) -> dict:
-    """Random stacked MoE weights for every layer, `normal(*shape)` drawing each."""
-    L, D, moe = cfg.num_layers, cfg.hidden_size, cfg.moe
+    """Random stacked MoE weights for every sparse layer (and dense SwiGLU weights for the dense
+    layers of a mixed stack: `rljax.models.mlp_kinds`), `normal(*shape)` drawing each."""
+    D, moe = cfg.hidden_size, cfg.moe
+    L = cfg.num_layers - len(moe.dense_layers)
     E, F = moe.num_experts, moe.expert_size
     out = {"router": normal(L, D, E), "expert_gate": normal(L, E, D, F), "expert_up": normal(L, E, D, F),
            "expert_down": normal(L, E, F, D)}
+    if moe.dense_layers:
+        Ld, Fd = len(moe.dense_layers), cfg.intermediate_size
+        out.update(gate=normal(Ld, D, Fd), up=normal(Ld, D, Fd), down=normal(Ld, Fd, D))
     if moe.shared_expert_size:
         Fs = moe.shared_expert_size
         out.update(shared_gate=normal(L, D, Fs), shared_up=normal(L, D, Fs), shared_down=normal(L, Fs, D),
                    shared_router=normal(L, D))
     return out
+
+
+def route_layers(cfg: ModelConfig) -> tuple[int, int]:
+    """The trailing (L, k) of a routing record: L the sparse layers, in depth order (a mixed
+    stack's dense layers route nothing: `rljax.models.mlp_kinds`), k the experts per token."""
+    return num_moe_layers(cfg), cfg.moe.top_k
 
 
 def route_dtype(cfg: ModelConfig):

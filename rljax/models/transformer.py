@@ -39,7 +39,8 @@ from rljax.models.config import ModelConfig
 from rljax.models.context_parallel import CONTEXT_AXIS, context_attention, context_mesh, padded_length, unzigzag, zigzag
 from rljax.models.fp8 import KV_SCALES, fp8_cache_attend, is_fp8_cache
 from rljax.models.layers import block, embed_tokens, is_adapted, rms_norm, rope_tables
-from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp
+from rljax.models.mlp_kinds import is_mixed, layer_kinds, segment_layers, segments, split_layers, stack_layer_list
+from rljax.models.moe import MoEAux, init_moe_layers, layer_mlp, mlp_of_kind
 from rljax.models.remat import remat_layer
 from rljax.models.row_pinning import pin_rows
 
@@ -72,7 +73,7 @@ def _init_params(cfg: ModelConfig, key: jax.Array, std) -> Params:
     L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
     dt = cfg.params_jnp_dtype
-    keys = iter(jax.random.split(key, 16))
+    keys = iter(jax.random.split(key, 24 if is_mixed(cfg) else 16))  # a mixed stack draws more leaves
 
     def normal(*shape):
         return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
@@ -103,11 +104,17 @@ def _init_params(cfg: ModelConfig, key: jax.Array, std) -> Params:
 _init_params_jit = jax.jit(_init_params, static_argnums=(0,))
 
 
-def unstack_layers(params: Params) -> Params:
-    """Splits stacked layer weights into a tuple of per-layer dicts (for the decode loop)."""
+def unstack_layers(params: Params, cfg: ModelConfig | None = None) -> Params:
+    """Splits stacked layer weights into a tuple of per-layer dicts (for the decode loop). A
+    stack mixing dense and MoE layers (`rljax.models.mlp_kinds`) needs `cfg` to know whose row
+    each MLP weight is."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
+    if cfg is not None and is_mixed(cfg):
+        return {**params, "layers": split_layers(cfg, layers)}
+    if len({w.shape[0] for w in jax.tree.leaves(layers)}) > 1:
+        raise ValueError("a stack of dense and MoE layers is split by unstack_layers(params, cfg)")
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     per_layer = tuple(jax.tree.map(lambda w, i=i: w[i], layers) for i in range(num_layers))
     return {**params, "layers": per_layer}
@@ -159,7 +166,8 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
                   rope_cos_sin=None, kv_attend=None, segment_ids_bt=None, return_routes: bool = False):
     """Final-normed hidden states [B, T, D] in the compute dtype and the updated cache (None
     without one). With a cache, `return_routes` also returns an MoE model's routes of this chunk,
-    int32 [L, B, T, k] (what the sampler records for routing replay; `rljax.models.moe`).
+    int32 [L, B, T, k] (what the sampler records for routing replay; `rljax.models.moe`), L
+    being its sparse layers (`rljax.models.mlp_kinds`).
 
     Mixed precision: the residual stream, norms, activations and every matmul's accumulator and
     result are f32; only matmul operands (and the KV cache) are in the compute dtype. The
@@ -208,11 +216,12 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     windows = cfg.layer_windows()
     rope_btih = rope_tables(positions_bt, cfg, rope_cos_sin)
 
+    kinds = layer_kinds(cfg)
     if kv_attend is not None:  # the caller stores and reads keys (see the docstring)
         new_layers = []
-        for lp, lc, window in zip(unstack_layers(params)["layers"], cache, windows):
+        for lp, lc, window, kind in zip(unstack_layers(params, cfg)["layers"], cache, windows, kinds):
             attend = lambda q, k, v, lc=lc, window=window: kv_attend(lc, window, positions_bt, q, k, v)
-            h, lc_new, _ = block(h, lp, attend, rope_btih, cfg, layer_mlp(cfg))
+            h, lc_new, _ = block(h, lp, attend, rope_btih, cfg, mlp_of_kind(kind))
             new_layers.append(lc_new)
         return rms_norm(h, params["final_norm"], cfg).astype(dt), tuple(new_layers)
 
@@ -229,9 +238,9 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
     kernel = t == 1 and resolve_decode_attention(cfg) == "pallas"
     if kernel:
         start_b, end_b = valid_range(k_pos_bs, index + 1)
-    layer_params = unstack_layers(params)["layers"]
+    layer_params = unstack_layers(params, cfg)["layers"]
     new_layers, routes = [], []
-    for lp, lc, window in zip(layer_params, cache["layers"], windows):
+    for lp, lc, window, kind in zip(layer_params, cache["layers"], windows, kinds):
         def attend(q, k, v, lc=lc, window=window):
             k, v = to_cache_layout(cfg, k, v)
             if is_fp8_cache(lc):  # FP8 keys and values with per-slot scales (`rljax.models.fp8`)
@@ -245,9 +254,10 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_bt, positions_bt=None
                 out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions_bt, k_pos_bs, window,
                                        cfg, layout)
             return out, {"k": ck, "v": cv}
-        h, lc_new, aux = block(h, lp, attend, rope_btih, cfg, layer_mlp(cfg))
+        h, lc_new, aux = block(h, lp, attend, rope_btih, cfg, mlp_of_kind(kind))
         new_layers.append(lc_new)
-        routes.append(None if aux is None else aux.routes_btk)
+        if aux is not None:  # the sparse layers' routes: a dense layer routes nothing
+            routes.append(aux.routes_btk)
     new_cache = {"layers": tuple(new_layers), "pos": k_pos_bs, "index": index + t}
     if return_routes:
         return rms_norm(h, params["final_norm"], cfg).astype(dt), new_cache, jnp.stack(routes)
@@ -305,8 +315,9 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
     tokens start at slot 0 (`rljax.models.attention` explains the contract), and the outputs are
     rolled back, so callers see their own slot order. Returns the final-normed hidden states,
     with `return_kv` each layer's keys and values stacked, [L, B, T, K, H] in the compute dtype
-    (else None), and the MLPs' aux stacked over layers (an MoE model's `MoEAux`, [L, B, T, ...];
-    None for a dense model). `routes_lbtk` (int [L, B, T, k]) replays those expert routes."""
+    (else None), and the MLPs' aux stacked over layers (an MoE model's `MoEAux`, [L, B, T, ...],
+    L its sparse layers; None for a dense model). `routes_lbtk` (int [L, B, T, k], the same L)
+    replays those expert routes."""
     dt = cfg.compute_jnp_dtype
     impl = "context" if context is not None else resolve_attention(cfg)
     shift_b, lengths_b = align_rows(attn_mask_bt)
@@ -322,29 +333,48 @@ def _full_sequence(cfg: ModelConfig, params: Params, tokens_bt, positions_bt, at
     windows = cfg.layer_windows()
     attend_layer = fresh_attention(impl, windows, cfg) if context is None else context_attention(context, cfg)
 
-    mlp = layer_mlp(cfg)
+    def scan_body(mlp):
+        def body(h, xs):
+            lp, window, routes_btk = xs
+            attend = lambda q, k, v: (attend_layer(q, k, v, window, rows), (k, v) if return_kv else None)
+            h, kv, aux = block(h, lp, attend, rope_btih, cfg, mlp, routes_btk)
+            return h, (kv, aux)
+        return remat_layer(body, remat)  # none, selective or full (`rljax.models.remat`)
 
-    def scan_body(h, xs):
-        lp, window, routes_btk = xs
-        attend = lambda q, k, v: (attend_layer(q, k, v, window, rows), (k, v) if return_kv else None)
-        h, kv, aux = block(h, lp, attend, rope_btih, cfg, mlp, routes_btk)
-        return h, (kv, aux)
-
-    body = remat_layer(scan_body, remat)  # none, selective or full (`rljax.models.remat`)
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
-        layers = jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+        layers = stack_layer_list(cfg, layers)
     h0 = _embed(cfg, params, tokens_bt)
     if context is None:  # the context path places its own rows (`_context_sequence`)
         h0 = pin_rows(h0)  # inside an update's trace only (`rljax.models.row_pinning`)
-    h, (kv, aux) = jax.lax.scan(body, h0,
-                                (layers, jnp.asarray(windows, jnp.int32), routes_lbtk), unroll=bool(unroll))
+    if is_mixed(cfg):
+        h, kv, aux = _segmented_scan(cfg, scan_body, h0, layers, windows, routes_lbtk, return_kv, unroll)
+    else:  # one kind of MLP: one scan over every layer
+        h, (kv, aux) = jax.lax.scan(scan_body(layer_mlp(cfg)), h0,
+                                    (layers, jnp.asarray(windows, jnp.int32), routes_lbtk), unroll=bool(unroll))
     h = rms_norm(h, params["final_norm"], cfg).astype(dt)
     if impl == "cudnn":
         h = roll_rows(h, -shift_b)
         unroll_rows = lambda x_lbt: jax.vmap(roll_rows, in_axes=(0, None))(x_lbt, -shift_b)
         kv, aux = jax.tree.map(unroll_rows, kv), jax.tree.map(unroll_rows, aux)
     return h, kv, aux
+
+
+def _segmented_scan(cfg: ModelConfig, scan_body, h, layers, windows, routes_lbtk, return_kv: bool, unroll):
+    """A stack of dense and MoE layers: one `lax.scan` per run of one MLP kind
+    (`rljax.models.mlp_kinds` gives the layout and the reason); the keys and values concatenated
+    over every layer, the routing over the sparse layers only. Returns (h, kv, aux)."""
+    kvs, auxes = [], []
+    for seg in segments(cfg):
+        n, moe = seg.stop - seg.start, seg.kind == "moe"
+        routes = routes_lbtk[seg.row:seg.row + n] if moe and routes_lbtk is not None else None
+        xs = (segment_layers(layers, seg), jnp.asarray(windows[seg.start:seg.stop], jnp.int32), routes)
+        h, (kv, aux) = jax.lax.scan(scan_body(mlp_of_kind(seg.kind)), h, xs, unroll=bool(unroll))
+        kvs.append(kv)
+        if moe:
+            auxes.append(aux)
+    concat = lambda *xs: jnp.concatenate(xs, axis=0)
+    return h, (jax.tree.map(concat, *kvs) if return_kv else None), jax.tree.map(concat, *auxes)
 
 
 def prefill_cache(cfg: ModelConfig, params: Params, tokens_bt, attn_mask_bt, positions_bt=None, *,

@@ -59,7 +59,8 @@ class MoEPlan:
 def moe_params(model_cfg: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters, embeddings included, written out from the shapes:
     attention q, k, v, o (+ biases, q/k norms), two norms per layer, the router [D, E], E experts of
-    3 D F, a shared expert 3 D F_s and its gate [D]; the final norm; embed (and lm_head)."""
+    3 D F, a shared expert 3 D F_s and its gate [D]; a mixed stack's dense layers a SwiGLU of 3 D F_d
+    instead; the final norm; embed (and lm_head)."""
     c, moe = model_cfg, model_cfg.moe
     d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     attn = d * n * h + 2 * d * k * h + n * h * d
@@ -69,10 +70,12 @@ def moe_params(model_cfg: ModelConfig) -> tuple[int, int]:
     norms = 4 * d if c.sandwich_norm else 2 * d
     expert = 3 * d * moe.expert_size
     shared = 3 * d * moe.shared_expert_size + d if moe.shared_expert_size else 0
-    common = attn + norms + d * moe.num_experts + shared
+    router = d * moe.num_experts + shared
     embed = c.vocab_size * d * (1 if c.tie_embeddings else 2) + d
-    total = c.num_layers * (common + moe.num_experts * expert) + embed
-    active = c.num_layers * (common + moe.top_k * expert) + embed
+    sparse, dense = c.num_layers - len(moe.dense_layers), len(moe.dense_layers)
+    base = c.num_layers * (attn + norms) + dense * 3 * d * c.intermediate_size + embed
+    total = base + sparse * (router + moe.num_experts * expert)
+    active = base + sparse * (router + moe.top_k * expert)
     return total, active
 
 
@@ -100,7 +103,7 @@ def moe_plan(cfg: RunConfig, model_cfg: ModelConfig, num_devices: int, prompt_wi
     per_device = tokens // math.prod(sizes[a] for a in axes) if axes else tokens
     itemsize = jnp.dtype(model_cfg.compute_jnp_dtype).itemsize  # rows travel in the compute dtype
     buffers = dispatch_bytes(per_device, moe.top_k, model_cfg.hidden_size, n_ep, itemsize) if n_ep > 1 else 0
-    return MoEPlan(num_experts=moe.num_experts, top_k=moe.top_k, moe_layers=model_cfg.num_layers,
+    return MoEPlan(num_experts=moe.num_experts, top_k=moe.top_k, moe_layers=model_cfg.num_layers - len(moe.dense_layers),
                    expert_parallel=n_ep, experts_per_device=moe.num_experts // n_ep, total_params=total,
                    active_params=active, tokens_per_device=per_device,
                    capacity=capacity(per_device, moe.top_k) if n_ep > 1 else 0, all_to_all_bytes=buffers)

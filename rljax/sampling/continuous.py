@@ -213,7 +213,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     if layout.kv_layout != "slots":
         raise ValueError(f"sample_continuous decodes the slot layout, got kv_layout={layout.kv_layout!r}; "
                          "use rljax.sampling.paged.sample_paged")
-    layer_params = unstack_layers(params)
+    layer_params = unstack_layers(params, cfg)
     mask_bp = mask_bp.astype(bool)
     b, prompt_len = prompt_bp.shape
     n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket

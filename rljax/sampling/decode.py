@@ -52,7 +52,7 @@ from rljax.models import ModelConfig, cache_slot_axes, forward, prefill_cache
 from rljax.models import hidden_states, logits_from_hidden, logprobs_from_logits, rope_table, unstack_layers
 from rljax.models.attention import key_cache_layout
 from rljax.models.fp8 import quantize_cache_layers
-from rljax.models.moe import route_dtype
+from rljax.models.moe import route_dtype, route_layers
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
 from rljax.sampling.one_pass import draw_one_pass
@@ -313,7 +313,7 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
         window_bl=jnp.full((bn, window), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32), max_new=max_new, row_keys_b=row_keys(key, bn), scalars=scalars,
         live_row_steps=jnp.zeros((), jnp.int32),
-        routes_bnlk=jnp.full((bn, new_bucket, cfg.num_layers, cfg.moe.top_k), -1, route_dtype(cfg)) if recording
+        routes_bnlk=jnp.full((bn, new_bucket, *route_layers(cfg)), -1, route_dtype(cfg)) if recording
         else None,
         prompt_routes_bplk=prompt_routes[0] if recording and prompt_routes else None)
     return record(state, jnp.repeat(logits_bv, num_samples, axis=0), spec)
@@ -343,7 +343,7 @@ def decode(cfg: ModelConfig, params, state: DecodeState, limit, *, spec: StaticC
     keeps `limit` within the cache: a cache of P + w slots can draw tokens up to index w - 1.
     `rope_cos_sin`: per-row rotary tables by position (an image prompt's M-RoPE continuation,
     `rljax.models.mrope.mrope_table`); default the 1D table."""
-    layer_params = unstack_layers(params)  # a no-op when the caller split them (generate, sample)
+    layer_params = unstack_layers(params, cfg)  # a no-op when the caller split them (generate, sample)
     # A token's position counts real tokens only, so it is at most its slot: the table covers all.
     if rope_cos_sin is None:
         rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
@@ -413,7 +413,7 @@ def sample_static(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, sc
     """The static scheduler as one traceable function: prefill, every decode phase and the result
     at the bucket's width (`max_new` and the number of real `rows` are traced, so one compile
     serves a batch bucket and a length bucket; trim with `rljax.sampling.continuous.trim`)."""
-    params = unstack_layers(params)  # once, for the prefill and every decode phase
+    params = unstack_layers(params, cfg)  # once, for the prefill and every decode phase
     state = prefill(cfg, params, prompt_bt, mask_bt, key, max_new, scalars, spec=spec, num_samples=num_samples,
                     new_bucket=new_bucket, rows=rows)
     return to_result(decode_phases(cfg, params, state, spec=spec, new_bucket=new_bucket), width=new_bucket)

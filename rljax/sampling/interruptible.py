@@ -84,7 +84,7 @@ def _record_versions(version_bc, length_b, step_from, step_to, version):
 
 def _start(cfg: ModelConfig, params, prompt_pt, mask_pt, key, max_new, scalars, version, *, spec: StaticControls,
            num_samples: int, new_bucket: int, max_new_tokens: int, widths: tuple[int, ...]) -> PartialRollout:
-    state = D.prefill(cfg, unstack_layers(params), prompt_pt, mask_pt, key, max_new, scalars, spec=spec,
+    state = D.prefill(cfg, unstack_layers(params, cfg), prompt_pt, mask_pt, key, max_new, scalars, spec=spec,
                       num_samples=num_samples, new_bucket=new_bucket)
     rows = state.tokens_bn.shape[0]
     version_bc = _record_versions(jnp.full((rows, new_bucket), NO_VERSION, jnp.int32), state.length_b, 0, 1, version)
@@ -97,7 +97,7 @@ def _segment(cfg: ModelConfig, params, partial: PartialRollout, limit, version) 
     recording `version` on the tokens drawn."""
     s = partial.state
     step_from = s.step
-    s = D.decode(cfg, unstack_layers(params), s, jnp.minimum(limit, partial.width), spec=partial.spec)
+    s = D.decode(cfg, unstack_layers(params, cfg), s, jnp.minimum(limit, partial.width), spec=partial.spec)
     return partial.replace(state=s, version_bc=_record_versions(partial.version_bc, s.length_b, step_from, s.step,
                                                                 version))
 
@@ -135,7 +135,7 @@ def _swap(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
     tokens they feed, so the record is each token's routing in the cache decoding goes on from
     (the newest params'), as the rest of the row is decoded from it."""
     s, spec = partial.state, partial.spec
-    params = unstack_layers(params)
+    params = unstack_layers(params, cfg)
     recording = s.routes_bnlk is not None
     cache, _, *prompt_routes = D.prompt_forward(cfg, params, partial.prompt_tokens_pt, partial.prompt_mask_pt,
                                                 batch_invariant=spec.batch_invariant, record_routes=recording)
@@ -165,7 +165,7 @@ _segment_jit = jax.jit(_segment, static_argnames=("cfg",), donate_argnames=("par
 _swap_jit = jax.jit(_swap, static_argnames=("cfg",), donate_argnames=("partial",))
 _widen_jit = jax.jit(lambda cfg, partial, extra: partial.replace(state=D.widen(cfg, partial.state, extra)),
                      static_argnames=("cfg", "extra"))  # new buffers: nothing to donate
-_unstack_jit = jax.jit(unstack_layers)
+_unstack_jit = jax.jit(unstack_layers, static_argnums=1)
 _finish_jit = jax.jit(lambda partial: (D.to_result(partial.state, width=partial.max_new_tokens),
                                        partial.version_bc[:, :partial.max_new_tokens]))
 
@@ -245,7 +245,7 @@ def sample_with_updates(cfg: ModelConfig, prompt_tokens_pt, prompt_mask_pt, key,
         raise ConfigError(f"sample_with_updates decodes with the static scheduler, got scheduler="
                           f"{controls.scheduler!r}: set sampling.scheduler='static'")
     params, version = weights()
-    params = _unstack_jit(params)  # once per version: each jitted segment would copy the layers out again
+    params = _unstack_jit(params, cfg)  # once per version: each jitted segment would copy the layers out again
     partial = start(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls, version=version)
     swaps = 0
     while True:
@@ -254,7 +254,7 @@ def sample_with_updates(cfg: ModelConfig, prompt_tokens_pt, prompt_mask_pt, key,
             break
         new_params, new_version = weights()
         if new_version > version:
-            params, version = _unstack_jit(new_params), new_version
+            params, version = _unstack_jit(new_params, cfg), new_version
             partial = swap_weights(cfg, params, partial)
             swaps += 1
         partial = _advance_from(cfg, params, partial, step, segment_steps, version)

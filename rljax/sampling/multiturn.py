@@ -261,7 +261,7 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, scala
           spec: StaticControls, num_samples: int, budget: int, max_turns: int, max_observation_tokens: int
           ) -> EpisodeState:
     """Prefills the B prompts once, broadcasts to B * n rows and writes column 0."""
-    params = unstack_layers(params)
+    params = unstack_layers(params, cfg)
     b, p = prompt_tokens_bt.shape
     bn = b * num_samples
     mask_bt = prompt_mask_bt.astype(bool)
@@ -327,7 +327,7 @@ def sample_episodes(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, 
     spec = controls.static()
     n = controls.num_samples
     rows = prompt_tokens_bt.shape[0] * n
-    layer_params = unstack_layers(params)
+    layer_params = unstack_layers(params, cfg)
     episode_id = io_callback(host.reset, jax.ShapeDtypeStruct((), jnp.int32), jnp.repeat(index_b, n))
     shapes = env_output_shapes(rows, max_observation_tokens)
 
@@ -357,7 +357,7 @@ def sample_episodes(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, 
 def decode_until_env(cfg: ModelConfig, params, state: EpisodeState, *, spec: StaticControls, budget: int
                      ) -> EpisodeState:
     """Decodes until some row needs the environment, every row has ended, or the buffer is full."""
-    layer_params = unstack_layers(params)
+    layer_params = unstack_layers(params, cfg)
     rope_cos_sin = rope_table(cfg, state.cache["pos"].shape[1])
 
     def body(s):
@@ -383,7 +383,7 @@ def sample_episodes_host_loop(cfg: ModelConfig, params, prompt_tokens_bt, prompt
     _model_kv(controls)
     spec = controls.static()
     n = controls.num_samples
-    params = unstack_layers(params)
+    params = unstack_layers(params, cfg)
     episode_id = host.reset(np.repeat(np.asarray(index_b), n))
     state = _start_jit(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, controls.scalars(), episode_id,
                        spec=spec, num_samples=n, budget=budget, max_turns=max_turns,

@@ -51,7 +51,7 @@ _trim_jit = jax.jit(C.trim, static_argnames=("rows", "width"))
 _prefill_jit = jax.jit(D.prefill, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
 _decode_jit = jax.jit(D.decode, static_argnames=("cfg", "spec"), donate_argnames=("state",))
 _widen_jit = jax.jit(D.widen, static_argnames=("cfg", "extra"))  # new buffers: nothing to donate
-_unstack_jit = jax.jit(unstack_layers)
+_unstack_jit = jax.jit(unstack_layers, static_argnums=1)
 
 
 def pad_prompts(cfg: ModelConfig, prompt_tokens_bt, prompt_mask_bt=None, pad_id: int = 0
@@ -98,7 +98,7 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *, ke
     # stacked arrays again.
     if controls.weight_dtype != "model":  # as `generate`
         params = sampler_params_jit(params, weight_dtype=controls.weight_dtype)
-    params = _unstack_jit(params)
+    params = _unstack_jit(params, cfg)
     state = _prefill_jit(cfg, params, tokens, mask, key, np.int32(controls.max_new_tokens), controls.scalars(),
                          spec=spec, num_samples=controls.num_samples,
                          new_bucket=D.bucket_length(controls.max_new_tokens))

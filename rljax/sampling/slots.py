@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from rljax.models import ModelConfig, init_cache, prefill_cache
 from rljax.models.attention import key_cache_layout
 from rljax.models.fp8 import is_fp8_cache, quantize_cache_layers
-from rljax.models.moe import route_dtype
+from rljax.models.moe import route_dtype, route_layers
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.decode import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SampleResult, draw, prompt_forward,
                                     records_routes, stop_flags)
@@ -210,4 +210,4 @@ def empty_routes(cfg: ModelConfig, spec: StaticControls, rows: int, new_bucket: 
     (`records_routes`), else None: no buffer in the loop's carry."""
     if not records_routes(cfg, spec):
         return None
-    return jnp.full((rows, new_bucket, cfg.num_layers, cfg.moe.top_k), -1, route_dtype(cfg))
+    return jnp.full((rows, new_bucket, *route_layers(cfg)), -1, route_dtype(cfg))
