@@ -13,12 +13,14 @@ from rljax.objectives import AlgorithmConfig
     ("one_step_off", dict(off_policy="icepop", off_policy_low=0.9, off_policy_high=1.1, policy_loss="kl_cov",
                           cov_ratio=0.2)),
     ("async", dict(off_policy="seq_reject", off_policy_mean="arithmetic")),
+    ("async", dict(off_policy="mask_kl", off_policy_low=0.9, off_policy_high=1.1)),
 ])
 def test_corrections_and_controls_run_in_the_overlapped_modes(layouts, params, mode, kw):  # noqa: F811
     """Finite losses every step; from the second step (a batch sampled one version back) the
-    mean importance weight moves off 1 for icepop, and the correction's metrics are reported.
-    Fails if an overlapped mode fed the trainer's own log-probs to the correction (weights all 1)
-    or a correction broke there (NaN, a missing metric)."""
+    mean importance weight moves off 1 for icepop, mask_kl's KL term is positive, and the
+    correction's metrics are reported. Fails if an overlapped mode fed the trainer's own log-probs
+    to the correction (weights all 1, no token out of band) or a correction broke there (NaN, a
+    missing metric)."""
     algo = AlgorithmConfig(recompute_old_logp=True, **kw)
     driver, state = _overlapped(mode, params, layouts, algo=algo)
     history = drive(driver, state, 3)
@@ -27,5 +29,7 @@ def test_corrections_and_controls_run_in_the_overlapped_modes(layouts, params, m
     if kw["off_policy"] == "icepop":
         weights = np.array([float(m["train/is_weight_mean"]) for m in history[1:]])
         assert np.all(np.abs(weights - 1.0) > 1e-6), weights
+    if kw["off_policy"] == "mask_kl":  # stale tokens outside the band are zeroed and pulled back to the sampler
+        assert all(float(m["loss/off_policy_kl"]) > 0 for m in history[1:])
     if "policy_loss" in kw:
         assert all(float(m["policy/cov_clipped_share"]) > 0 for m in history)

@@ -58,6 +58,32 @@ def test_fast_path_logp_equals_the_scoring_pass():
     assert not np.array_equal(np.asarray(wrong.select_bt), np.asarray(slow.select_bt))
 
 
+def test_control_metrics_match_numpy():
+    """policy/cov_mean is the mean of (A - mean A)(log pi - mean log pi) over the valid tokens,
+    policy/cov_clipped_share the selected share of them (KL-Cov: max(int(0.2 n), 1) / n), and
+    policy/entropy_masked_share the valid tokens the rho = 0.25 entropy mask takes the policy loss
+    off (about three quarters). Fails with a mean or share over padded tokens (a quarter of this batch is
+    padding) or a masked share counted the wrong way round (kept instead of masked)."""
+    algo = AlgorithmConfig(algorithm="grpo", policy_loss="kl_cov", cov_ratio=0.2, top_entropy_quantile=0.25)
+    state = _state(algo, update_cfg=UpdateConfig())
+    prepared, _ = prepare_batch(state, _batch(3, noise=0.5))
+    mb, pairs = token_controls(state, state.trainable, prepared, jax.random.key(0), chunks=1)
+    got = {k: float(num / den) for k, (num, den) in pairs.items()}
+    on = np.asarray(prepared.loss_mask_bt) > 0
+    n = on.sum()
+    assert 0.1 < 1 - n / on.size
+    from rljax.models import token_logprobs
+    logp = np.asarray(token_logprobs(state.model_cfg, state.params, prepared.tokens_bt, prepared.attn_mask_bt)[0])
+    adv = np.asarray(prepared.advantages_bt)
+    cov = (adv[on] - adv[on].mean()) * (logp[on] - logp[on].mean())
+    assert abs(cov.mean()) > 1e-3
+    np.testing.assert_allclose(got["policy/cov_mean"], cov.mean(), rtol=1e-4)
+    assert got["policy/cov_clipped_share"] == np.float32(max(int(0.2 * n), 1) / n)
+    kept = np.asarray(mb.entropy_keep_bt)[on].sum()
+    assert abs(kept - n / 4) <= 1
+    np.testing.assert_allclose(got["policy/entropy_masked_share"], (n - kept) / n, rtol=1e-6)
+
+
 def test_adaptive_entropy_coefficient_is_carried_and_logged():
     """The coefficient starts at entropy_coef, is logged as entropy/coef, and after each update
     moves by entropy_coef_step toward the target (up: the tiny model's entropy ~4.8 nats is under
@@ -95,20 +121,28 @@ def test_presets_run_no_new_code_path_with_the_new_options_off():
     assert not [k for k in m if k.startswith(NEW_KEYS)]
 
 
-def test_mask_kl_packed_equals_padded_and_icepop_runs_under_lora():
-    """mask_kl (the correction with a loss term) gives the padded update's loss through the packed
-    update (its KL mask and sampler log-probs are read on the padded rows), and IcePop runs under
-    LoRA with finite metrics. (seq_reject and the overlapped drivers:
-    tests/drivers/test_stability_controls.py.) Fails if the KL term read packed buffers."""
+# bounds inside the batch's 0.05-nat sampler noise, so that each correction acts on some tokens or rows
+NARROW = {"icepop": (0.97, 1.03), "seq_reject": (0.99, 1.01), "mask_kl": (0.97, 1.03)}
+
+
+@pytest.mark.parametrize("off_policy", list(NARROW))
+def test_each_correction_under_lora_packed_equals_padded(off_policy):
+    """Each rollout correction, in a LoRA update, acts here (zeroes tokens, or rejects rows) and
+    gives the padded update's loss and gradient norm through the packed update (its weights,
+    masks and, for mask_kl, the KL term's sampler log-probs are read on the padded rows before
+    packing). (one_step_off and async: tests/drivers/test_stability_controls.py.) Fails if packing
+    dropped a correction or read its weights, masks or KL term off the packed buffers (the packed
+    loss would differ), or if a correction broke under LoRA (NaN, no metric)."""
     from rljax.lora import LoraConfig
-    algo = AlgorithmConfig(algorithm="grpo", recompute_old_logp=True, off_policy="mask_kl", off_policy_low=0.97,
-                           off_policy_high=1.03)
-    _, m1 = _run(algo, UpdateConfig())
-    _, m2 = _run(algo, UpdateConfig(packing=True, max_tokens_per_microbatch=24))
-    assert float(m1["loss/off_policy_kl"]) > 0 and float(m1["train/is_zeroed_frac"]) > 0
-    for k in ("loss/policy", "loss/off_policy_kl"):
+    low, high = NARROW[off_policy]
+    algo = AlgorithmConfig(algorithm="grpo", recompute_old_logp=True, off_policy=off_policy, off_policy_low=low,
+                           off_policy_high=high)
+    acted = "train/is_rejected_rows" if off_policy == "seq_reject" else "train/is_zeroed_frac"
+    runs = []
+    for sched in (UpdateConfig(), UpdateConfig(packing=True, max_tokens_per_microbatch=24)):
+        state = _state(algo, update_cfg=sched, lora=LoraConfig(rank=4))
+        runs.append(update_step(state, _batch(0), jax.random.key(7))[1])
+    m1, m2 = runs
+    assert all(np.isfinite(float(v)) for v in m1.values()) and 0 < float(m1[acted]) < 1
+    for k in ("loss/policy", "grad_norm", acted) + (("loss/off_policy_kl",) if off_policy == "mask_kl" else ()):
         np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-8, err_msg=k)
-    lora = _state(AlgorithmConfig(algorithm="grpo", recompute_old_logp=True, off_policy="icepop"),
-                  lora=LoraConfig(rank=4))
-    _, m3 = update_step(lora, _batch(0), jax.random.key(7))
-    assert all(np.isfinite(float(v)) for v in m3.values())
