@@ -22,6 +22,7 @@ from rljax.envs.base import Environment
 from rljax.lora import LoraConfig
 from rljax.models import ModelConfig
 from rljax.models.auxiliary import FrozenModel
+from rljax.models.moe import route_layers
 from rljax.models.transformer import Params
 from rljax.rewards import RewardFn
 from rljax.rewards.learned import LearnedReward
@@ -131,8 +132,7 @@ def build_run(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
             r = cfg.rl.replay
             replay = ReplayBuffer(capacity=r.capacity, row_len=cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens,
                                   per_prompt=r.per_prompt, max_pass_rate=r.max_pass_rate,
-                                  routes_lk=((model_cfg.num_layers, model_cfg.moe.top_k)
-                                             if cfg.algorithm.needs.routes else None))
+                                  routes_lk=route_layers(model_cfg) if cfg.algorithm.needs.routes else None)
     else:
         train_set, held_out, skipped = build_splits(cfg.data)
         reward_fn = build_reward(cfg.reward)
