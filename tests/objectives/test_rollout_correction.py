@@ -40,6 +40,23 @@ def test_icepop_weights_are_the_ratio_inside_asymmetric_bounds():
     np.testing.assert_allclose(got, want.sum() / MASK.sum(), rtol=1e-12)
 
 
+def test_icepop_and_mask_kl_at_sequence_level_gate_the_row_product():
+    """level = "sequence": every token of a row gets the row's product of ratios prod_t k_t
+    (icepop) or 1 (mask_kl) when that product lies in [0.5, 5], else 0. Row 0's product is 5.76
+    (zeroed, though four of its six tokens are inside), row 1's 1.716, row 2's 0.9. Fails with the
+    per-token gate at sequence level, or with a product over padded tokens (k = 0 there)."""
+    prod = np.prod(np.where(MASK > 0, K, 1.0), axis=1, keepdims=True)
+    inside = (prod >= 0.5) & (prod <= 5.0)
+    with jax.enable_x64(True):
+        old, mu = _logps()
+        w_ice, m_ice = rc.icepop(old, mu, jnp.asarray(MASK), level="sequence", low=0.5, high=5.0)
+        w_mkl, _ = rc.mask_kl(old, mu, jnp.asarray(MASK), level="sequence", low=0.5, high=5.0)
+    np.testing.assert_allclose(np.asarray(w_ice) * MASK, np.where(inside, prod, 0.0) * MASK, rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(w_mkl) * MASK, inside * MASK)
+    np.testing.assert_array_equal(np.asarray(m_ice), MASK)
+    assert list(inside[:3, 0]) == [False, True, True]
+
+
 def np_seq_ratio(k, mask, mean):
     n = np.maximum(mask.sum(1), 1)
     if mean == "arithmetic":
