@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--config", default="qwen2-tiny")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--tag", default="", help="appended to the output file's name")
     ap.add_argument("--arms", nargs="+", default=[a for a, (_, base) in ARMS.items() if base],
                     help="controls to time (their baselines are added)")
     args = ap.parse_args()
@@ -129,7 +130,7 @@ def main() -> None:
         r = row["cpu_ratio"]
         print(f"{c:32s} {row['baseline']:16s} {row['baseline_cpu_s']:10.3f} "
               f"{r['median']:8.3f} ({r['min']:.3f}-{r['max']:.3f}) {row['wall_ratio']['median']:10.3f}", flush=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", f"stability_cost_{args.config}.json"), "w") as f:
+    with open(os.path.join(os.path.dirname(__file__), "results", f"stability_cost_{args.config}{args.tag}.json"), "w") as f:
         json.dump(out, f, indent=1)
 
 
