@@ -116,6 +116,29 @@ def _summary(run_dir, wall):
             "entropy": ent}
 
 
+def _table(results):
+    """One markdown row per run and the median over seeds per arm: entropy at the first update,
+    its minimum over the run (min / first: the target keeps it above 0.5), its last value, and the
+    last checkpoint's held-out greedy accuracy, pass@k and mean@k (`rljax eval`)."""
+    import statistics
+    keys = sorted({k for r in results.values() for k in r.get("held_out", {}) if k.startswith(("pass@", "mean@"))
+                   and "/" not in k})
+    cols = ["entropy first", "min", "min / first", "last", "greedy", *keys]
+    print("| run | " + " | ".join(cols) + " | wall s |\n|" + "---|" * (len(cols) + 2))
+    per_arm = {}
+    for name, r in sorted(results.items()):
+        h = r.get("held_out", {})
+        vals = [r["entropy_first"], r["entropy_min"], r["entropy_min"] / r["entropy_first"], r["entropy_last"],
+                h.get("greedy_accuracy"), *[h.get(k) for k in keys]]
+        per_arm.setdefault(name.split("_seed")[0], []).append(vals)
+        print(f"| {name} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in vals) + f" | {r['wall_s']:.0f} |")
+    for arm, rows in per_arm.items():
+        med = [statistics.median(v[i] for v in rows if v[i] is not None) if any(v[i] is not None for v in rows)
+               else None for i in range(len(cols))]
+        print(f"| **{arm}, median of {len(rows)}** | " + " | ".join("-" if v is None else f"{v:.3f}" for v in med)
+              + " | |")
+
+
 def _plot(results, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -125,7 +148,12 @@ def _plot(results, path):
     for name, row in sorted(results.items()):
         arm = name.split("_seed")[0]
         steps, vals = zip(*row["entropy"]) if row["entropy"] else ((), ())
-        ax.plot(steps, vals, color=colors.get(arm), alpha=0.8, label=name)
+        seed = int(name.split("_seed")[1]) if "_seed" in name else 0
+        ax.plot(steps, vals, color=colors.get(arm), alpha=0.8, label=name, linestyle=["-", "--", ":"][seed % 3])
+    firsts = [r["entropy_first"] for r in results.values() if r.get("entropy_first")]
+    if firsts:
+        ax.axhline(0.5 * sum(firsts) / len(firsts), color="k", linewidth=0.6, linestyle="-.",
+                   label="50% of the first update's entropy")
     ax.set_xlabel("RL iteration")
     ax.set_ylabel("policy entropy (nats / token)")
     ax.set_title("Entropy under a collapsing setting (bench/stability.py)")
@@ -174,6 +202,7 @@ def main() -> None:
                            machine={"platform": platform.platform(), "cpus": os.cpu_count()})
                 with open(dest, "w") as f:
                     json.dump(out, f, indent=1)
+    _table(out["runs"])
     _plot(out["runs"], os.path.join(ROOT, "docs", "img", "stability_entropy.png"))
 
 
