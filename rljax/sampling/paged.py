@@ -61,31 +61,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, cache_slot_axes, forward, rope_table, to_cache_layout, unstack_layers
-from rljax.models.fp8 import KV_SCALES, is_fp8_cache
+from rljax.models import ModelConfig, cache_slot_axes, rope_table, unstack_layers
+from rljax.models.fp8 import KV_SCALES
 from rljax.sampling.controls import StaticControls
-from rljax.sampling.decode import SampleResult, row_keys, step_forward
+from rljax.sampling.decode import SampleResult, row_keys
+from rljax.sampling.paged_attention import gather_forward, kernel_forward, use_pallas_kernel
+from rljax.sampling.paged_table import PageTable, pop_pages, release_pages
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_routes, empty_slots,
                                   prefill_into_pool, record_slot_routes, record_step, routes_result, slot_result)
 
-
-@flax.struct.dataclass
-class PageTable:
-    """Who holds which page (small; the page contents live in `PagedState.kv`)."""
-
-    table_sk: jax.Array  # [S, max pages per row] physical page of each logical page
-    shared_s: jax.Array  # leading logical pages shared with the row's prompt group (full prompt pages)
-    held_s: jax.Array  # logical pages the slot holds (shared + its own)
-    prompt_s: jax.Array  # the slot's prompt (G when idle)
-    prompt_len_s: jax.Array  # its real prompt length
-    order_s: jax.Array  # admission number of the slot's row (preemption takes the largest)
-    group_pages_gk: jax.Array  # [G, prompt pages] shared full prompt pages of each prompt
-    refs_g: jax.Array  # running rows of each prompt
-    stack_p: jax.Array  # free pages in stack_p[:free]
-    free: jax.Array
-    admitted: jax.Array  # admissions so far (re-admissions included)
-    peak: jax.Array  # the most pages in use at once
-    preemptions: jax.Array
+__all__ = ["PagedState", "PageTable", "gather_forward", "kernel_forward", "sample_paged", "use_pallas_kernel"]
 
 
 @flax.struct.dataclass
@@ -110,38 +95,6 @@ class PagedState:
     decode_steps: jax.Array
     live_row_steps: jax.Array
     routes_rnlk: Any = None  # `record_routes`: completion token j's experts, written by the step that feeds it
-
-
-def _push(pt: PageTable, page_x, keep_x) -> PageTable:
-    """Returns the pages `page_x` where `keep_x` to the free stack."""
-    page_x, keep_x = page_x.reshape(-1), keep_x.reshape(-1)
-    at = jnp.where(keep_x, pt.free + jnp.cumsum(keep_x, dtype=jnp.int32) - 1, pt.stack_p.shape[0])
-    return pt.replace(stack_p=pt.stack_p.at[at].set(page_x, mode="drop"),
-                      free=pt.free + jnp.sum(keep_x, dtype=jnp.int32))
-
-
-def _pop(pt: PageTable, want_xk) -> tuple[jax.Array, PageTable]:
-    """Pops one page for every True of `want_xk`, in row-major order (the caller checked there
-    are enough); entries that want none get an arbitrary page."""
-    rank = jnp.cumsum(want_xk.reshape(-1), dtype=jnp.int32).reshape(want_xk.shape) - 1
-    page_xk = pt.stack_p[jnp.clip(pt.free - 1 - rank, 0, pt.stack_p.shape[0] - 1)]
-    free = pt.free - jnp.sum(want_xk, dtype=jnp.int32)
-    return page_xk, pt.replace(free=free, peak=jnp.maximum(pt.peak, pt.stack_p.shape[0] - free))
-
-
-def _release(pt: PageTable, out_s, shared_pages_g) -> PageTable:
-    """Slots `out_s` give back their own pages, and their prompt's shared pages when they were its
-    last running rows (`shared_pages_g`: full pages of each prompt)."""
-    groups, k_prompt = pt.group_pages_gk.shape
-    k = jnp.arange(pt.table_sk.shape[1])
-    own_sk = out_s[:, None] & (k >= pt.shared_s[:, None]) & (k < pt.held_s[:, None])
-    pt = _push(pt, pt.table_sk, own_sk)
-    refs = pt.refs_g.at[jnp.where(out_s, pt.prompt_s, groups)].add(-1, mode="drop")
-    gone_g = (pt.refs_g > 0) & (refs == 0)
-    pt = _push(pt, pt.group_pages_gk, gone_g[:, None] & (jnp.arange(k_prompt) < shared_pages_g[:, None]))
-    zero = lambda x: jnp.where(out_s, 0, x)
-    return pt.replace(refs_g=refs, shared_s=zero(pt.shared_s), held_s=zero(pt.held_s),
-                      prompt_s=jnp.where(out_s, groups, pt.prompt_s))
 
 
 def _copy_prompt_pages(cfg: ModelConfig, kv, pool: PromptPool, src_gp, entry_a, target_ak, page_size: int):
@@ -188,7 +141,7 @@ def _admit(cfg: ModelConfig, state: PagedState, keys_r, max_new, scalars, src_gp
     need_a = jnp.where(ok_a, need_a, 0)
 
     k = jnp.arange(k_prompt)
-    page_ak, pt = _pop(pt, k[None, :] < need_a[:, None])
+    page_ak, pt = pop_pages(pt, k[None, :] < need_a[:, None])
     shared_ak = jnp.where((ok_a & new_group_a)[:, None], page_ak, -1)  # new groups' full pages
     group_pages = pt.group_pages_gk.at[jnp.where(ok_a & new_group_a, prompt_a, groups)].set(page_ak, mode="drop")
     own_a = jnp.take_along_axis(page_ak, jnp.maximum(need_a - 1, 0)[:, None], axis=1)[:, 0]  # the partial page
@@ -212,7 +165,7 @@ def _admit(cfg: ModelConfig, state: PagedState, keys_r, max_new, scalars, src_gp
     state, ended_a = admit_rows(state, pool.logits_gv[prompt_a], keys_r[row_safe], row_a, plen_a, ok_a, slot_tgt,
                                 row_tgt, max_new, scalars, spec)
     # A row that ends on token 0 never decodes: its pages go straight back.
-    pt = _release(pt, jnp.zeros((s_count,), bool).at[slot_tgt].set(ended_a, mode="drop"), shared_pages_g)
+    pt = release_pages(pt, jnp.zeros((s_count,), bool).at[slot_tgt].set(ended_a, mode="drop"), shared_pages_g)
     return state.replace(kv=kv, pages=pt, pending_r=state.pending_r.at[row_tgt].set(False, mode="drop"))
 
 
@@ -229,94 +182,17 @@ def _grow(state: PagedState, shared_pages_g, page_size: int) -> PagedState:
     def preempt(carry):
         pt, live_s, pending_r = carry
         victim_s = jnp.arange(live_s.shape[0]) == jnp.argmax(jnp.where(live_s, pt.order_s, -1))
-        pt = _release(pt, victim_s, shared_pages_g).replace(preemptions=pt.preemptions + 1)
+        pt = release_pages(pt, victim_s, shared_pages_g).replace(preemptions=pt.preemptions + 1)
         row = jnp.where(jnp.any(victim_s), jnp.sum(jnp.where(victim_s, state.row_s, 0)), rows_total)
         return pt, live_s & ~victim_s, pending_r.at[row].set(True, mode="drop")
 
     pt, live_s, pending_r = jax.lax.while_loop(short, preempt, (state.pages, state.live_s, state.pending_r))
     need_s = live_s & (state.next_pos_s % page_size == 0)
-    page_s1, pt = _pop(pt, need_s[:, None])
+    page_s1, pt = pop_pages(pt, need_s[:, None])
     slot_tgt = jnp.where(need_s, jnp.arange(need_s.shape[0]), need_s.shape[0])
     pt = pt.replace(table_sk=pt.table_sk.at[slot_tgt, pt.held_s].set(page_s1[:, 0], mode="drop"),
                     held_s=pt.held_s + need_s)
     return state.replace(pages=pt, live_s=live_s, pending_r=pending_r)
-
-
-def gather_view(cfg: ModelConfig, kv, pt: PageTable, next_pos_s, prompt_len: int, width: int, page_size: int):
-    """The slot layout's cache rebuilt from the pages: per layer keys and values in the cache's
-    layout (`rljax.models.to_cache_layout`: k [S, K, H, W] or [S, K, W, H], v [S, K, W, H]) and
-    key positions [S, W], with the prompt's real tokens at [P - len, P) and the generated tokens
-    from P (positions -1 elsewhere), and each slot's write index P + generated tokens."""
-    j = jnp.arange(width)[None, :]
-    plen_s = pt.prompt_len_s[:, None]
-    logical_sw = jnp.where(j < prompt_len, j - (prompt_len - plen_s), plen_s + j - prompt_len)
-    valid_sw = (logical_sw >= 0) & (logical_sw < next_pos_s[:, None])
-    logical_sw = jnp.clip(logical_sw, 0, pt.table_sk.shape[1] * page_size - 1)
-    page_sw = jnp.take_along_axis(pt.table_sk, logical_sw // page_size, axis=1)
-    offset_sw = logical_sw % page_size
-    swkh = lambda pages: pages[:, page_sw, offset_sw, :].transpose(1, 2, 0, 3)  # noqa: E731
-    # An FP8 pool's scales [K, pages, page, 1] gather like their values ([S, K, 1, W] or [S, K, W, 1]).
-    pairs = (("k", "v"),) + ((tuple(KV_SCALES.values()),) if is_fp8_cache(kv[0]) else ())
-    layers = tuple({name: x for pair in pairs
-                    for name, x in zip(pair, to_cache_layout(cfg, swkh(lkv[pair[0]]), swkh(lkv[pair[1]])))}
-                   for lkv in kv)
-    index_s = prompt_len + next_pos_s - pt.prompt_len_s
-    return {"layers": layers, "pos": jnp.where(valid_sw, logical_sw, -1), "index": index_s}
-
-
-def use_pallas_kernel(cfg: ModelConfig, spec: StaticControls) -> bool:
-    """Whether the decode step attends with the Pallas kernel: on TPU, for models without sliding
-    windows (the kernel has none), outside batch-invariant mode (which maps rows one at a time),
-    over compute-dtype pages (the TPU kernel reads no scales: FP8 pages take the gather step)."""
-    return (jax.default_backend() == "tpu" and not any(cfg.layer_windows()) and not spec.batch_invariant
-            and spec.kv_dtype == "model")
-
-
-def _fed_slot(pt: PageTable, positions_s, live_s, page_size: int, num_pages: int):
-    """(page, offset) of each fed token; idle slots get page `num_pages`, which writes drop."""
-    page_s = jnp.take_along_axis(pt.table_sk, (positions_s // page_size)[:, None], axis=1)[:, 0]
-    return jnp.where(live_s, page_s, num_pages), positions_s % page_size
-
-
-def gather_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s, kv, pt: PageTable, rope_cos_sin,
-                   *, prompt_len: int, width: int, page_size: int, num_pages: int, batch_invariant: bool,
-                   record_routes: bool = False):
-    """The CPU/GPU decode step: logits [S, V] through the model's cached forward on the gathered
-    view (`gather_view`), and the pages with the fed tokens' keys and values written; with
-    `record_routes`, also the fed tokens' experts per layer [S, L, k]."""
-    view = gather_view(cfg, kv, pt, positions_s, prompt_len, width, page_size)
-    logits_sv, new, *routes = step_forward(cfg, layer_params, tokens_s, positions_s, live_s, view, rope_cos_sin,
-                                           batch_invariant=batch_invariant, record_routes=record_routes)
-    at_s = view["index"]
-    page_s, offset_s = _fed_slot(pt, positions_s, live_s, page_size, num_pages)
-
-    def write(pages, dense, axis):  # the fed token's [S, K, H] (FP8: values, and [S, K, 1] scales) into its page
-        fed = jnp.take_along_axis(dense, jnp.expand_dims(at_s, (1, 2, 3)), axis=axis)
-        return pages.at[:, page_s, offset_s, :].set(jnp.squeeze(fed, axis).transpose(1, 0, 2), mode="drop")
-
-    axes = cache_slot_axes(cfg)
-    return (logits_sv, tuple({name: write(lkv[name], lnew[name], axes[name]) for name in lkv}
-                             for lkv, lnew in zip(kv, new["layers"])), *routes)
-
-
-def kernel_forward(cfg: ModelConfig, layer_params, tokens_s, positions_s, live_s, kv, pt: PageTable, rope_cos_sin,
-                   *, page_size: int, num_pages: int):
-    """The TPU decode step: each layer writes the fed token's keys and values into its page and
-    attends over the pages in place with `tpu_paged_attention` (keys [0, position] of each row)."""
-    page_s, offset_s = _fed_slot(pt, positions_s, live_s, page_size, num_pages)
-    lengths_s = jnp.where(live_s, positions_s + 1, 0)
-
-    def attend(lkv, window, positions_bt, q, k, v):
-        put = lambda pages, x: pages.at[:, page_s, offset_s, :].set(
-            x[:, 0].transpose(1, 0, 2).astype(pages.dtype), mode="drop")
-        new = {"k": put(lkv["k"], k), "v": put(lkv["v"], v)}
-        out_snh = tpu_paged_attention(q[:, 0], new["k"].astype(q.dtype), new["v"].astype(q.dtype), lengths_s,
-                                      pt.table_sk, cfg)
-        return out_snh[:, None].astype(jnp.float32), new
-
-    logits_s1v, kv = forward(cfg, layer_params, tokens_s[:, None], positions_s[:, None], live_s[:, None], kv,
-                             rope_cos_sin=rope_cos_sin, kv_attend=attend)
-    return logits_s1v[:, 0], kv
 
 
 def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_new, scalars, rope_cos_sin,
@@ -339,7 +215,7 @@ def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_
             state = record_slot_routes(state, routes[0])
 
     state, ended_s = record_step(state, logits_sv, keys_r, max_new, scalars, spec)
-    return state.replace(kv=kv, pages=_release(pt, ended_s, shared_pages_g))
+    return state.replace(kv=kv, pages=release_pages(pt, ended_s, shared_pages_g))
 
 
 def _empty_pages(cfg: ModelConfig, layout: SlotLayout, groups: int, prompt_len: int,
@@ -370,7 +246,7 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     """`rljax.sampling.continuous.sample_continuous` over the paged layout (same arguments, same
     result, plus the page counters). Every prompt is prefilled up front into the prompt pool; the
     pool, the token draws and the row outputs are the slot layout's (`rljax.sampling.slots`)."""
-    layer_params = unstack_layers(params)
+    layer_params = unstack_layers(params, cfg)
     mask_bp = mask_bp.astype(bool)
     b, prompt_len = prompt_bp.shape
     n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket
@@ -402,15 +278,3 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     if routes is None:
         return result
     return routes_result(cfg, layer_params, result, state.routes_rnlk, prompt_bp, mask_bp, n)
-
-
-def tpu_paged_attention(q_bnh, k_pages, v_pages, lengths_b, table_bk, cfg: ModelConfig, *,
-                        pages_per_block: int = 1):
-    """One decode query per row attending over its pages with JAX's Pallas TPU kernel: q [B, N, H]
-    (unscaled), pages [K, pages, page, H], lengths [B] valid keys, table [B, pages per row].
-    Full attention over the first `length` keys (no sliding window), soft cap as the model's."""
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-
-    q = (q_bnh.astype(jnp.float32) * cfg.query_scale).astype(q_bnh.dtype)
-    return paged_attention(q, k_pages, v_pages, lengths_b.astype(jnp.int32), table_bk.astype(jnp.int32),
-                           attn_logits_soft_cap=cfg.attn_logit_softcap, pages_per_compute_block=pages_per_block)
