@@ -185,9 +185,10 @@ def _experts_case(t=24, e=6, k=2, d=16, f=12, seed=0):
 
 
 def test_grouped_equals_dense_forward_and_gradients():
-    """The blocks path (CPU's grouped matmul) equals the all-experts einsum within 1e-5 in f32, for
-    the output and for the gradients of x, the gates and every expert weight, with one expert
-    receiving no token (its gradient is exactly zero on both)."""
+    """The blocks path (CPU's grouped matmul), and the ragged_dot path GPUs take, equal the
+    all-experts einsum within 1e-5 in f32, for the output and for the gradients of x, the gates
+    and every expert weight, with one expert receiving no token (its gradient is exactly zero on
+    both)."""
     x, ids, gates, w = _experts_case()
     assert not np.any(np.asarray(ids) == 5)
 
@@ -200,6 +201,10 @@ def test_grouped_equals_dense_forward_and_gradients():
     (_, y_b), g_b = run("blocks")(x, gates, w)
     np.testing.assert_allclose(y_b, y_d, atol=1e-5, rtol=0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), g_b, g_d)
+    # the GPU's path (ragged_dot on the sorted rows; its Triton lowering is a GPU flag) at the same reference
+    (_, y_r), g_r = run("ragged")(x, gates, w)
+    np.testing.assert_allclose(y_r, y_d, atol=1e-5, rtol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), g_r, g_d)
     assert float(jnp.abs(g_b[2].gate_edf[5]).max()) == 0.0 and float(jnp.abs(g_d[2].gate_edf[5]).max()) == 0.0
     assert float(jnp.abs(g_d[2].down_efd).max()) > 0
 
