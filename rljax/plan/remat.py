@@ -5,8 +5,9 @@ whose memory plan fits the device.
     peak(mode)               the plan's per-device peak (`rljax.plan.memory`) with update.remat=mode
     choice                   the first mode with peak(mode) <= device memory; none fits: refused
 
-With `update.num_microbatches = "auto"` as well, the candidates are (mode, m) pairs, m a divisor of
-the rows per mini-batch (`microbatch_counts`), tried in this order:
+With `update.num_microbatches = "auto"` as well (with `update.packing`: `update.max_tokens_per_microbatch
+= "auto"`, micro-batches of (rows / m) buffers of the row width each), the candidates are (mode, m)
+pairs, m a divisor of the rows per mini-batch (`microbatch_counts`), tried in this order:
 
     none/1, none/2, none/4, ... , selective/1, selective/2, ... , full/1, full/2, ...
 
@@ -67,7 +68,8 @@ class RematChoice:
     """What `choose_remat` picked: `mode` and `microbatches`, the config with both set, the plan's
     peak per device of each candidate it planned or estimated (bytes, by `label`), the device
     memory it compared them with, and which settings were "auto" (`auto`: update.remat,
-    `auto_micro`: update.num_microbatches; both False: explicit settings, kept as they are)."""
+    `auto_micro`: update.num_microbatches, or a packed update's max_tokens_per_microbatch; both False:
+    explicit settings, kept as they are)."""
 
     mode: str
     cfg: RunConfig
@@ -84,6 +86,9 @@ class RematChoice:
         remat = f"update.remat={'auto -> ' if self.auto else ''}{self.mode}"
         if not self.auto_micro:
             return remat
+        if self.cfg.update.packing:
+            return (f"{remat}, update.max_tokens_per_microbatch=auto -> {self.cfg.update.max_tokens_per_microbatch} "
+                    f"({self.microbatches} micro-batches)")
         return f"{remat}, update.num_microbatches=auto -> {self.microbatches}"
 
     def line(self) -> str:
@@ -105,8 +110,13 @@ class RematChoice:
 
 
 def needs_choice(cfg: RunConfig) -> bool:
-    """Whether `cfg` leaves the remat mode or the micro-batch count to the plan ("auto")."""
-    return cfg.update.remat == "auto" or cfg.update.num_microbatches == "auto"
+    """Whether `cfg` leaves the remat mode or the micro-batch count (packed: token budget) to the plan ("auto")."""
+    return cfg.update.remat == "auto" or cfg.update.num_microbatches == "auto" or auto_budget(cfg)
+
+
+def auto_budget(cfg: RunConfig) -> bool:
+    """Whether a packed update's token budget is left to the plan (`update.max_tokens_per_microbatch = "auto"`)."""
+    return bool(cfg.update.packing) and cfg.update.max_tokens_per_microbatch == "auto"
 
 
 def label(mode: str, micro: int, auto_micro: bool) -> str:
@@ -162,7 +172,24 @@ def _store(key: str, entry: dict) -> None:
 
 
 def _with(cfg: RunConfig, mode: str, micro: int) -> RunConfig:
+    """`cfg` with the candidate (mode, m): m micro-batches, or with an "auto" packed budget the
+    budget that makes m micro-batches of the mini-batch (`packed_budget`)."""
+    if auto_budget(cfg):
+        return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, remat=mode,
+                                                                   max_tokens_per_microbatch=packed_budget(cfg, micro)))
     return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, remat=mode, num_microbatches=micro))
+
+
+def packed_budget(cfg: RunConfig, micro: int) -> int:
+    """Tokens of a packed micro-batch that splits the mini-batch into `micro`: (rows / micro)
+    buffers of `update.pack_length` (default: the row width, widest prompt bucket + new tokens).
+    Packing fills buffers with several short rows, so the run takes at most `micro` such
+    micro-batches (fewer when rows are short); the plan sizes the full one."""
+    from rljax.plan.memory import prompt_width
+
+    rows = cfg.rl.prompts_per_iteration * cfg.sampling.num_samples // cfg.update.num_minibatches
+    width = cfg.update.pack_length or prompt_width(cfg) + cfg.sampling.max_new_tokens
+    return rows // micro * width
 
 
 def microbatch_counts(cfg: RunConfig) -> tuple[int, ...]:
@@ -193,7 +220,7 @@ def choose_remat(cfg: RunConfig, model_cfg=None, *, tokenizer=None, limit: tuple
     `one_program=False` plans the stages alone (`rljax plan --stages-only`: one compile fewer per
     candidate; what a bench of the update step alone needs)."""
     u = cfg.update
-    auto_mode, auto_micro = u.remat == "auto", u.num_microbatches == "auto"
+    auto_mode, auto_micro = u.remat == "auto", u.num_microbatches == "auto" or auto_budget(cfg)
     if not (auto_mode or auto_micro):
         return RematChoice(remat_mode(u.remat), cfg, {}, None, None, auto=False, microbatches=u.num_microbatches)
     modes = REMAT_MODES if auto_mode else (remat_mode(u.remat),)
@@ -267,11 +294,11 @@ def refusal(cfg: RunConfig, peaks: dict[str, int], entry: dict, limit_bytes: int
     """The one line refusing a size where no candidate fits: the peaks and the settings to change."""
     planned = ", ".join(f"{m} {format_gib(b)}" for m, b in peaks.items())
     u = cfg.update
-    auto_micro = u.num_microbatches == "auto"
+    auto_micro = u.num_microbatches == "auto" or auto_budget(cfg)
     if entry["sampler_peak"] > limit_bytes:
         what = ("sampling binds (remat does not change it): lower rl.prompts_per_iteration, sampling.num_samples or "
                 "sampling.max_new_tokens")
-    elif u.packing:
+    elif u.packing and not auto_micro:
         what = f"lower update.max_tokens_per_microbatch (now {u.max_tokens_per_microbatch or 'automatic'})"
     elif auto_micro:
         what = ("every micro-batch count up to one row each was tried: shorten the rows (sampling.max_new_tokens, "
@@ -279,7 +306,8 @@ def refusal(cfg: RunConfig, peaks: dict[str, int], entry: dict, limit_bytes: int
     else:
         what = f"raise update.num_microbatches (now {u.num_microbatches})"
     subject = "update.remat=auto" if u.remat == "auto" else f"update.remat={remat_mode(u.remat)}"
-    subject += ", update.num_microbatches=auto" if auto_micro else ""
+    subject += (", update.max_tokens_per_microbatch=auto" if u.packing else ", update.num_microbatches=auto"
+                ) if auto_micro else ""
     nothing = "no schedule" if auto_micro else "no remat mode"
     return (f"{subject}: {nothing} fits {device} ({format_gib(limit_bytes)} per device); plan peaks per "
             f"device: {planned}; {what}, put more devices on mesh.fsdp, or set model.param_dtype=bfloat16")

@@ -45,7 +45,9 @@ class UpdateConfig:
     `num_microbatches = "auto"` is chosen with the remat mode before the update is built: the
     fewest micro-batches (a divisor of the mini-batch rows) the memory plan fits with the fastest
     mode (`rljax.plan.remat`; on a CPU, 1). It is "auto" only when set so: the default stays 1,
-    and a number set is kept whatever `remat` is.
+    and a number set is kept whatever `remat` is. With `packing`, `max_tokens_per_microbatch =
+    "auto"` is the same choice in tokens: the largest budget of (mini-batch rows / m) buffers the
+    plan fits, m the fewest micro-batches, as above.
     """
 
     num_epochs: int = bounded(1, ge=1)
@@ -58,7 +60,7 @@ class UpdateConfig:
     log_entropy: bool = True
     packing: bool = False
     pack_length: int | None = bounded(None, ge=1)
-    max_tokens_per_microbatch: int | None = bounded(None, ge=1)
+    max_tokens_per_microbatch: int | Literal["auto"] | None = bounded(None, ge=1)
 
     def __post_init__(self):
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
@@ -69,7 +71,10 @@ class UpdateConfig:
                 raise ConfigError(f"update.{name}={getattr(self, name)} must be >= 1 (or unset: automatic)")
         if self.packing and self.num_microbatches == "auto":
             raise ConfigError("update.num_microbatches='auto' with update.packing: packed micro-batches are sized by "
-                              "tokens; set update.max_tokens_per_microbatch, or update.packing=false")
+                              "tokens; set update.max_tokens_per_microbatch='auto' (or a number), or update.packing=false")
+        if self.max_tokens_per_microbatch == "auto" and not self.packing:
+            raise ConfigError("update.max_tokens_per_microbatch='auto' sizes packed micro-batches; set "
+                              "update.packing=true, or update.num_microbatches='auto' for padded ones")
         if self.packing and self.num_microbatches > 1:
             raise ConfigError(f"update.num_microbatches={self.num_microbatches} with update.packing: packed "
                               "micro-batches are sized by tokens; set update.max_tokens_per_microbatch and leave "
@@ -93,6 +98,10 @@ class UpdateConfig:
         if length < width:
             raise ConfigError(f"update.pack_length={length} is shorter than the rows ({width} columns): a row "
                               f"must fit one buffer; set update.pack_length >= {width} or leave it unset")
+        if self.max_tokens_per_microbatch == "auto":
+            raise ConfigError("update.max_tokens_per_microbatch='auto' is chosen from the memory plan before the "
+                              "update is built: `rljax train` does it; from Python call "
+                              "rljax.plan.remat.choose_remat(cfg), or set a number of tokens")
         budget = self.max_tokens_per_microbatch or max(1, rows // 8) * length
         if budget < length:
             raise ConfigError(f"update.max_tokens_per_microbatch={budget} is under one buffer of "

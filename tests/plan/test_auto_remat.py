@@ -137,6 +137,7 @@ def test_auto_microbatches_reuse_the_cached_plan(planned, monkeypatch):
 # A simulated plan of the tiny recipe (16 rows): peak = 1000 + act[mode] * 16 / m bytes, 10 more
 # for m >= 4 (so the a + b/m estimate from m = 1, 2 is 10 short there and its plan must confirm it).
 ACT = {"none": 160, "selective": 80, "full": 20}
+ROW_TOKENS = 16 * (16 + 32)  # the mini-batch's rows x their width (prompt bucket + new tokens)
 
 
 def simulated_peak(mode: str, micro: int) -> int:
@@ -151,9 +152,10 @@ def simulated(tmp_path, monkeypatch):
     compiled = []
 
     def plan(cfg, *args, **kwargs):
-        compiled.append((cfg.update.remat, cfg.update.num_microbatches))
-        return types.SimpleNamespace(peak_bytes=simulated_peak(cfg.update.remat, cfg.update.num_microbatches),
-                                     sampler_peak_bytes=500, sampler=None)
+        u = cfg.update  # a packed candidate is its token budget: ROW_TOKENS / budget micro-batches
+        micro = ROW_TOKENS // u.max_tokens_per_microbatch if u.packing else u.num_microbatches
+        compiled.append((u.remat, micro))
+        return types.SimpleNamespace(peak_bytes=simulated_peak(u.remat, micro), sampler_peak_bytes=500, sampler=None)
 
     monkeypatch.setattr("rljax.plan.memory.plan_memory", plan)
     yield compiled
@@ -216,3 +218,47 @@ def test_explicit_microbatches_win(simulated):
     assert (cpu.mode, cpu.microbatches) == ("none", 1) and "no device memory is known" in cpu.line()
     with pytest.raises(ConfigError, match="packing"):
         tiny("update.packing=true", "update.num_microbatches=auto")
+
+
+@pytest.mark.parametrize("limit, expected", [(3560, ("none", 1)), (1200, ("none", 16)), (1060, ("full", 8))])
+def test_auto_token_budget_is_the_packed_schedule(simulated, limit, expected):
+    """With `update.packing`, `update.max_tokens_per_microbatch = "auto"` makes the same choice in
+    tokens: m micro-batches of the 16-row mini-batch are a budget of 16 / m rows x 48 columns,
+    the candidates planned are the padded ones' (same order, same estimates), `num_microbatches`
+    stays 1, and the log line names the budget. Catches: a budget that ignores the row width or
+    divides the wrong way (the simulated plan would read another m), an "auto" budget kept in
+    the config the update is built from, auto overriding an explicit budget."""
+    cfg = tiny("update.remat=auto", "update.packing=true", "update.max_tokens_per_microbatch=auto")
+    choice = choose_remat(cfg, tokenizer=build_tokenizer(cfg.model), limit=(limit, "the test device"))
+    mode, micro = expected
+    assert (choice.mode, choice.microbatches) == expected
+    assert choice.cfg.update.max_tokens_per_microbatch == 16 // micro * 48 and choice.cfg.update.num_microbatches == 1
+    assert choice.cfg.update.packed_shape(16, 48) == (16 // micro, 48)
+    padded = choose_remat(tiny("update.remat=auto", "update.num_microbatches=auto"),
+                          tokenizer=build_tokenizer(cfg.model), limit=(limit, "the test device"))
+    assert simulated[:len(simulated) // 2] == simulated[len(simulated) // 2:]  # the same candidates as padded
+    assert (padded.mode, padded.microbatches) == expected
+    line = choice.line()
+    assert line.startswith(f"update.remat=auto -> {mode}, update.max_tokens_per_microbatch=auto -> "
+                           f"{16 // micro * 48} ({micro} micro-batches): ") and "\n" not in line
+    explicit = choose_remat(tiny("update.remat=auto", "update.packing=true", "update.max_tokens_per_microbatch=96"),
+                            tokenizer=build_tokenizer(cfg.model), limit=(limit, "the test device"))
+    assert explicit.cfg.update.max_tokens_per_microbatch == 96 and not explicit.auto_micro
+    cpu = choose_remat(cfg, tokenizer=build_tokenizer(cfg.model))  # no device memory known: one micro-batch
+    assert cpu.cfg.update.max_tokens_per_microbatch == 16 * 48 and "no device memory is known" in cpu.line()
+
+
+def test_auto_token_budget_refusals(simulated):
+    """One line each: nothing fits (naming what to change, not the budget auto already lowered),
+    "auto" without packing, and an unresolved "auto" reaching the update. Catches: a packed
+    refusal telling the user to lower a budget auto chose, an "auto" budget silently read as 0."""
+    cfg = tiny("update.remat=auto", "update.packing=true", "update.max_tokens_per_microbatch=auto")
+    with pytest.raises(ConfigError) as err:
+        choose_remat(cfg, tokenizer=build_tokenizer(cfg.model), limit=(1025, "the test device"))
+    line = str(err.value)
+    assert line.startswith("update.remat=auto, update.max_tokens_per_microbatch=auto: no schedule fits")
+    assert "lower update.max_tokens_per_microbatch" not in line and "\n" not in line
+    with pytest.raises(ConfigError, match="update.packing=true"):
+        tiny("update.max_tokens_per_microbatch=auto")
+    with pytest.raises(ConfigError, match="choose_remat"):
+        cfg.update.packed_shape(16, 48)
