@@ -83,16 +83,31 @@ def make_iteration(controls: SampleControls, reward_callback: Callable, *, num_g
                                                       *prompts_and_key), layout=layout)
 
 
+def pinned_update(layout: Layout | None) -> Callable:
+    """`update`, traced with each row's hidden states kept on the trainer layout's devices that
+    hold the row (`Layout.pinned_rows`; `rljax.models.row_pinning` says why); plain `update` on
+    one device."""
+    if layout is None:
+        return update
+
+    def update_in_layout(state: TrainState, batch, key):
+        with layout.pinned_rows():
+            return update(state, batch, key)
+
+    return update_in_layout
+
+
 def fuse(rollout_of: Callable, *, layout: Layout | None = None):
     """`rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, key, images) -> (batch,
     metrics, preview)` followed by the update, as ONE jitted program with the state donated (the
     form `make_iteration` and the multi-turn episode iteration share)."""
+    update_program = pinned_update(layout)
 
     def iteration(state: TrainState, prompt_tokens_pt, prompt_mask_pt, index_p, key, images=None):
         k_sample, k_update = jax.random.split(key)
         batch, rollout_metrics, preview = rollout_of(state, prompt_tokens_pt, prompt_mask_pt, index_p, k_sample,
                                                      images)
-        state, train_metrics = update(state, batch, k_update)
+        state, train_metrics = update_program(state, batch, k_update)
         metrics = merge_metrics(rollout_metrics, train_metrics)
         if layout is not None:
             # Pin the outputs: the state leaves as it came (so the next call hits the compile
@@ -145,9 +160,11 @@ def no_images(images, where: str) -> None:
         raise ValueError(f"image prompts reached {where}, which does not take them")
 
 
-def _stage_programs(roll, cfg, needs):
+def _stage_programs(roll, cfg, needs, trainer: Layout | None = None):
     """The sampling and update stages as functions of their inputs, splitting `key` as the fused
-    iteration does (sample with the first half, update with the second)."""
+    iteration does (sample with the first half, update with the second); the update's rows
+    pinned to the `trainer` layout (`pinned_update`)."""
+    update_in_layout = pinned_update(trainer)
 
     def sample_program(params, prompt_tokens_pt, prompt_mask_pt, index_p, key):
         k_sample, _ = jax.random.split(key)
@@ -155,7 +172,7 @@ def _stage_programs(roll, cfg, needs):
 
     def update_program(state, batch, key):
         _, k_update = jax.random.split(key)
-        return update(state, batch, k_update)
+        return update_in_layout(state, batch, k_update)
 
     return sample_program, update_program
 
@@ -187,7 +204,7 @@ def _split_programs(controls, reward_callback, state, *, num_prompts, num_groups
     # LoRA: the sampler's copy is the base with the adapters merged, built in the trainer layout
     to_sampler = jax.jit(TrainState.sampler_params) if state.lora is not None else TrainState.sampler_params
 
-    sample_program, update_program = _stage_programs(roll, cfg, needs)
+    sample_program, update_program = _stage_programs(roll, cfg, needs, trainer)
 
     prompts_in = sampler.rows(num_prompts)
     sample_jit = jax.jit(sample_program,
