@@ -75,8 +75,8 @@ def thread_in_callers_mesh(target: Callable[[], None], name: str) -> threading.T
     """A daemon thread that runs `target` under the calling thread's `jax.set_mesh` mesh. JAX's
     mesh context is per thread, and the run's expert or context mesh (`rljax.sharding.placement`)
     is what the MoE block and the context-parallel forward read: without it the sampler thread
-    would trace its programs without the expert all-to-all (numerically the same, but every
-    device gathering every expert's weights)."""
+    would trace its programs without the expert-parallel all-to-all, leaving the sharded expert
+    weights to XLA's own partitioning (numerically the same, not the dispatch the mesh asks for)."""
     mesh = jax.sharding.get_mesh()
 
     def run() -> None:
