@@ -22,6 +22,7 @@ from rljax.models import token_logprobs
 from rljax.models.scoring import teacher_scores
 from rljax.objectives.advantages import scale_negative_advantages, whiten_advantages, zero_variance_groups
 from rljax.objectives.config import check_turn_credit
+from rljax.objectives.difficulty import CORRECT_AT, curriculum_terms
 from rljax.objectives.kl import kl
 from rljax.objectives.registry import ADVANTAGES, DISTILLATION, OFF_POLICY
 from rljax.objectives.rollout_correction import mask_kl_tokens
@@ -103,6 +104,14 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
         metrics.update(rm_metrics)
         rewards_in = rewards_in + term_b
     rewards_b = state.shaping.apply(rewards_in, lengths_b, batch.completion_len)
+    curriculum = None
+    if state.shaping.curriculum:  # VL-Cogito's ODSW weights and DyLR term (rljax.objectives.difficulty)
+        verifier_b = batch.rewards_b if batch.verifier_rewards_b is None else batch.verifier_rewards_b
+        iteration = state.step // (schedule.num_epochs * schedule.num_minibatches)
+        curriculum = curriculum_terms(state.shaping, verifier_b >= CORRECT_AT, lengths_b, batch.group_ids_b,
+                                      trained_b, batch.completion_len, iteration)
+        rewards_b = rewards_b + curriculum.length_reward_b
+        metrics.update(curriculum.metrics)
 
     lp_chunks = schedule.chunk_for(toks.shape[0] // chunks, toks.shape[1], cfg.vocab_size)
 
@@ -158,6 +167,8 @@ def prepare_batch(state, batch: RolloutBatch) -> tuple[PreparedBatch, dict[str, 
         values_bt=old_values, gamma=algo.gamma, lam=algo.lam, std_normalize=algo.std_normalize, eps=algo.eps,
         **turns)
     returns = None if old_values is None else sg(adv + old_values)  # value targets from raw advantages
+    if curriculum is not None:  # ODSW: A_i <- F(Acc) * A_i, per prompt (1 when its stages are off)
+        adv = adv * curriculum.weight_b[:, None]
     teacher_hidden = None
     if needs.teacher_logp:
         teacher_logp, teacher_hidden, distill_metrics = _teacher_grades(state, toks, attn, old_logp, mask, chunks)
