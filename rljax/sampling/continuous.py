@@ -71,8 +71,8 @@ from rljax.models import ModelConfig, cache_slot_axes, init_cache, rope_table, u
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sampling.decode import SampleResult, bucket_length, row_keys, step_forward
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_kv_layers, empty_pool, empty_routes,
-                                  empty_slots, prefill_into_pool, record_slot_routes, record_step, routes_result,
-                                  slot_result)
+                                  empty_slots, kv_bytes_per_token, prefill_into_pool, record_slot_routes, record_step,
+                                  routes_result, slot_result)
 
 
 @flax.struct.dataclass
@@ -105,32 +105,45 @@ DRAIN_FRACTION = 4
 DRAIN_MIN_SLOTS = 16
 
 
-def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int) -> SlotLayout:
+def token_budget(controls: SampleControls, cfg: ModelConfig | None) -> tuple[int, str, int]:
+    """The KV budget in tokens (0: none), how an error names it, and its unit: `max_total_tokens`
+    (unit 1 token), or `kv_cache_bytes` // u with u = `kv_bytes_per_token(cfg, kv_dtype)` (unit u
+    bytes a token)."""
+    if not controls.kv_cache_bytes:
+        return controls.max_total_tokens, f"max_total_tokens={controls.max_total_tokens}", 1
+    per_token = kv_bytes_per_token(cfg, controls.kv_dtype)
+    return (controls.kv_cache_bytes // per_token, f"kv_cache_bytes={controls.kv_cache_bytes} ({per_token} bytes "
+            f"a token with kv_dtype={controls.kv_dtype!r})", per_token)
+
+
+def plan_layout(controls: SampleControls, num_prompts: int, prompt_len: int, cfg: ModelConfig | None = None
+                ) -> SlotLayout:
     """Slots, refill and prefill sizes for `num_prompts` prompts of (bucketed) length `prompt_len`.
 
-    S = slots if set, else max_total_tokens // (P + N) if set, else min(rows, 64); at most the rows.
-    Paged (`kv_layout="paged"`): max_total_tokens // page_size pages, and S = slots or min(rows, 64)
-    whatever the budget, since pages are taken only as rows grow.
+    With M = the token budget (`token_budget`: max_total_tokens, or kv_cache_bytes over the bytes
+    a token takes in `cfg`'s cache): S = slots if set, else M // (P + N) if M is set, else
+    min(rows, 64); at most the rows. Paged (`kv_layout="paged"`): M // page_size pages, and
+    S = slots or min(rows, 64) whatever the budget, since pages are taken only as rows grow.
     """
     rows = num_prompts * controls.num_samples
     new_bucket = bucket_length(controls.max_new_tokens)
     per_slot = prompt_len + new_bucket
     slots = controls.slots
     num_pages = 0
+    budget, named, unit = token_budget(controls, cfg)
     if controls.kv_layout == "paged":
         page = controls.page_size
-        num_pages = controls.max_total_tokens // page
+        num_pages = budget // page
         need = max(-(-per_slot // page), -(-prompt_len // page) + 1)  # one row alone always fits
         if num_pages < need:
-            raise ConfigError(f"sampling: max_total_tokens={controls.max_total_tokens} holds {num_pages} pages of "
-                              f"{page} tokens, and one row (prompt bucket {prompt_len} + new-token bucket "
-                              f"{new_bucket}) needs {need}; raise it to at least {need * page}")
-    elif controls.max_total_tokens:
-        fit = controls.max_total_tokens // per_slot
+            raise ConfigError(f"sampling: {named} holds {num_pages} pages of {page} tokens, and one row (prompt "
+                              f"bucket {prompt_len} + new-token bucket {new_bucket}) needs {need}; raise it to "
+                              f"at least {need * page * unit}")
+    elif budget or controls.kv_cache_bytes:
+        fit = budget // per_slot
         if fit < 1:
-            raise ConfigError(f"sampling: max_total_tokens={controls.max_total_tokens} holds no slot of "
-                              f"{per_slot} tokens (prompt bucket {prompt_len} + new-token bucket {new_bucket}); "
-                              f"raise it to at least {per_slot}")
+            raise ConfigError(f"sampling: {named} holds no slot of {per_slot} tokens (prompt bucket {prompt_len} + "
+                              f"new-token bucket {new_bucket}); raise it to at least {per_slot * unit}")
         slots = min(slots, fit) if slots else fit
     slots = min(slots or 64, rows)
     refill = min(controls.refill_batch or max(1, slots // 4), slots)

@@ -91,13 +91,18 @@ class SampleControls:
       else min(rows, 64).
     max_total_tokens: continuous only: the KV cache budget in tokens; each slot holds
       bucket(prompt) + bucket(max_new_tokens) tokens, so it caps the slots (0: no cap).
+    kv_cache_bytes: continuous only: the KV cache budget in bytes instead of tokens (0: unset; not
+      with max_total_tokens). It becomes max_total_tokens = kv_cache_bytes // the bytes one token
+      takes over all layers as `kv_dtype` stores it (`rljax.sampling.slots.kv_bytes_per_token`),
+      so an FP8 cache holds about twice the tokens, slots or pages of a bf16 one in the same
+      bytes, as vLLM sizes its block pool from memory. Position bookkeeping is not counted.
     prefill_batch: continuous only: prompts prefilled together inside the decode loop as slots
       need them (a ring of 2 x prefill_batch prompts); 0 prefills every prompt once, up front.
     refill_batch: continuous only: the most slots refilled in one decode step (0: slots / 4).
     kv_layout: continuous only: "slots" (each slot a contiguous bucket(prompt) + bucket(new)
       cache) or "paged" (`rljax.sampling.paged`: a pool of `max_total_tokens // page_size` pages
       taken as rows grow, full prompt pages shared by a prompt's samples; needs
-      max_total_tokens, prefills every prompt up front).
+      max_total_tokens or kv_cache_bytes, prefills every prompt up front).
     page_size: tokens per page of the paged layout (>= 1).
     batch_invariant: compute every row alone (prefill and decode), and decode the static loop at
       full cache width, so a row's tokens and log-probs are bitwise the same whatever batch, slot
@@ -163,6 +168,7 @@ class SampleControls:
     decode_chunk: int = bounded(0, ge=0)
     record_routes: bool = False
     kv_dtype: str = "model"
+    kv_cache_bytes: int = bounded(0, ge=0)
 
     def __post_init__(self):
         try:
@@ -176,7 +182,8 @@ class SampleControls:
                           prefill_batch=int(self.prefill_batch), refill_batch=int(self.refill_batch),
                           page_size=int(self.page_size), batch_invariant=bool(self.batch_invariant),
                           decode_phases=int(self.decode_phases),
-                          decode_chunk=int(self.decode_chunk), record_routes=bool(self.record_routes))
+                          decode_chunk=int(self.decode_chunk), record_routes=bool(self.record_routes),
+                          kv_cache_bytes=int(self.kv_cache_bytes))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
                               f"{err}") from None
@@ -189,7 +196,7 @@ class SampleControls:
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"sampling: scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch", "decode_phases",
-                     "decode_chunk"):
+                     "decode_chunk", "kv_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
         self._check_kv_layout()
@@ -210,6 +217,12 @@ class SampleControls:
     def _check_kv_layout(self):
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"sampling: kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_cache_bytes and self.max_total_tokens:
+            raise ConfigError(f"sampling: max_total_tokens={self.max_total_tokens} and kv_cache_bytes="
+                              f"{self.kv_cache_bytes} both set the KV budget; set one of them (the other 0)")
+        if self.kv_cache_bytes and self.scheduler != "continuous":
+            raise ConfigError("sampling: kv_cache_bytes sizes the continuous scheduler's KV cache; set scheduler = "
+                              "\"continuous\" or kv_cache_bytes = 0 (the static cache holds every row)")
         if self.page_size < 1:
             raise ConfigError(f"sampling: page_size must be >= 1 tokens, got {self.page_size}")
         if self.kv_layout != "paged":
@@ -217,9 +230,9 @@ class SampleControls:
         if self.scheduler != "continuous":
             raise ConfigError("sampling: kv_layout='paged' needs scheduler='continuous'; set scheduler = \"continuous\" "
                               "or kv_layout = \"slots\"")
-        if not self.max_total_tokens:
+        if not (self.max_total_tokens or self.kv_cache_bytes):
             raise ConfigError("sampling: kv_layout='paged' sizes its page pool from max_total_tokens; set "
-                              "max_total_tokens (the KV budget in tokens)")
+                              "max_total_tokens (the KV budget in tokens) or kv_cache_bytes (in bytes)")
         if self.prefill_batch:
             raise ConfigError(f"sampling: kv_layout='paged' prefills every prompt up front; set prefill_batch = 0 "
                               f"(got {self.prefill_batch})")

@@ -132,7 +132,7 @@ def generate(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt=None, *,
     rows, width = b * controls.num_samples, controls.max_new_tokens
     max_new, scalars = np.int32(controls.max_new_tokens), controls.scalars()
     if controls.scheduler == "continuous":
-        layout = C.plan_layout(controls, tokens.shape[0], tokens.shape[1])
+        layout = C.plan_layout(controls, tokens.shape[0], tokens.shape[1], cfg)
         run = _paged_jit if layout.kv_layout == "paged" else _continuous_jit
         result = run(cfg, params, tokens, mask, key, max_new, scalars, np.int32(rows), spec=spec, layout=layout)
         split = None

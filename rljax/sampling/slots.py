@@ -105,6 +105,15 @@ def empty_kv_layers(cfg: ModelConfig, layers, kv_dtype: str):
     return quantize_cache_layers(layers, key_cache_layout(cfg)) if kv_dtype == "fp8" else layers
 
 
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
+    """Bytes one cached token takes over all layers, as `kv_dtype` stores it: the keys and values
+    (2 L K H x the compute dtype's size, or x 1 for "fp8") plus, for "fp8", their f32 scales
+    (2 L K x 4). Read from the buffers the samplers allocate (`jax.eval_shape`, no compute), so it
+    cannot drift from them. `sampling.kv_cache_bytes` divides by it to count tokens."""
+    shapes = jax.eval_shape(lambda: empty_kv_layers(cfg, init_cache(cfg, 1, 1)["layers"], kv_dtype))
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
+
+
 def empty_slots(state_cls, spec: StaticControls, slots: int, rows: int, new_bucket: int, **layout_fields):
     """A `state_cls` loop state before any row is admitted: every slot idle (row -1), every row
     empty (pad tokens, length 0, FINISH_LENGTH), the counters 0, and the layout's own

@@ -30,7 +30,7 @@ def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, cont
     new_bucket = D.bucket_length(controls.max_new_tokens)
     if controls.scheduler == "continuous":
         b, p = prompt_tokens_bt.shape
-        layout = C.plan_layout(controls, b, p)
+        layout = C.plan_layout(controls, b, p, cfg)
         run = PG.sample_paged if layout.kv_layout == "paged" else C.sample_continuous
         result = run(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, jnp.int32(controls.max_new_tokens),
                      controls.scalars(), b * controls.num_samples, spec=spec, layout=layout)

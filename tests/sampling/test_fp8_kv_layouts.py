@@ -107,3 +107,39 @@ def test_samplers_without_an_fp8_cache_say_so_in_one_line():
     cfg = M.preset("qwen2-test")
     with pytest.raises(ConfigError, match='kv_dtype = "model"'):
         I.start(cfg, None, np.zeros((1, 4), np.int32), np.ones((1, 4), bool), jax.random.key(0), CONTROLS, version=0)
+
+
+def test_kv_cache_bytes_counts_tokens_as_the_cache_stores_them(runs):
+    """`sampling.kv_cache_bytes` budgets the continuous cache in bytes: the bytes a token takes are
+    2 L K H x the compute dtype's size (model) or 2 L K H x 1 + 2 L K x 4 f32 scales (fp8), written
+    here from the shapes, and the same bytes give FP8 more slots and pages. A run budgeted in bytes
+    is the run budgeted in the tokens they hold, bitwise (the sampler passes the model to the plan).
+    Catches: a budget that ignores kv_dtype (the FP8 slot count then equals the model dtype's), a
+    per-token count that drops the values or the FP8 scales, bytes taken as tokens."""
+    from rljax.sampling.continuous import plan_layout as plan
+    from rljax.sampling.slots import kv_bytes_per_token
+
+    cfg, params, tokens, mask, out = runs
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    model_bytes = 2 * L * K * H * jnp.dtype(cfg.compute_jnp_dtype).itemsize
+    fp8_bytes = 2 * L * K * H + 2 * L * K * 4
+    assert kv_bytes_per_token(cfg, "model") == model_bytes and kv_bytes_per_token(cfg, "fp8") == fp8_bytes
+    per_slot = 16 + 16  # prompt bucket + new-token bucket
+    budget = 4 * per_slot * fp8_bytes  # four FP8 slots
+    controls = CONTROLS.replace(scheduler="continuous", kv_cache_bytes=budget)
+    assert plan(controls, 64, 16, cfg).slots == 4
+    assert plan(controls.replace(kv_dtype="model"), 64, 16, cfg).slots == budget // model_bytes // per_slot < 4
+    paged = controls.replace(kv_layout="paged", page_size=4)
+    assert plan(paged, 64, 16, cfg).num_pages == budget // fp8_bytes // 4
+    assert plan(paged.replace(kv_dtype="model"), 64, 16, cfg).num_pages == budget // model_bytes // 4
+    got = generate(cfg, params, tokens, mask, key=jax.random.key(5),
+                   controls=CONTROLS.replace(scheduler="continuous", kv_cache_bytes=budget))
+    for field in (*FIELDS, "logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(out["slots"], field)),
+                                      err_msg=field)
+    with pytest.raises(ConfigError, match="both set the KV budget"):
+        controls.replace(max_total_tokens=100)
+    with pytest.raises(ConfigError, match='scheduler = "continuous"'):
+        CONTROLS.replace(kv_cache_bytes=budget)
+    with pytest.raises(ConfigError, match="kv_cache_bytes=.*holds no slot"):
+        plan(controls.replace(kv_cache_bytes=per_slot * fp8_bytes - 1), 64, 16, cfg)
