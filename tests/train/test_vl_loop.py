@@ -18,6 +18,8 @@ from rljax.errors import ConfigError
 from rljax.train.config import load_config
 from rljax.train.loop import train
 
+from test_curriculum_run import check_curriculum_history
+
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "model.num_heads=2",
         "model.num_kv_heads=1", "model.head_dim=16", "model.vision.depth=1", "model.vision.hidden_size=16",
         "model.vision.intermediate_size=32", "model.vision.fullatt_block_indexes=[]",
@@ -28,12 +30,19 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "mesh.devices=1"]
 
 
+# VL-Cogito's curriculum (rljax.objectives.difficulty) on the image run: easy stage at iteration 1,
+# hard (with the dynamic length reward) from 2; its options are generic and shared with text runs.
+CURRICULUM = ["shaping.difficulty_stages=['easy', 'hard']", "shaping.difficulty_boundaries=[1]",
+              "shaping.length_reward_coef=0.5"]
+RUN = TINY + CURRICULUM
+
+
 @pytest.fixture(scope="module")
 def vl_run(tmp_path_factory):
-    """Three iterations of the shrunk vl_default, a checkpoint after each."""
+    """Three iterations of the shrunk vl_default with the curriculum on, a checkpoint after each."""
     out = tmp_path_factory.mktemp("vl") / "run"
-    return load_config("vl_default", [f"output_dir={out}", *TINY]), train(load_config("vl_default",
-                                                                                      [f"output_dir={out}", *TINY]))
+    return load_config("vl_default", [f"output_dir={out}", *RUN]), train(load_config("vl_default",
+                                                                                     [f"output_dir={out}", *RUN]))
 
 
 def test_vl_default_runs_through_the_one_loop(vl_run):
@@ -53,6 +62,12 @@ def test_vl_default_runs_through_the_one_loop(vl_run):
     assert sorted(int(p.name) for p in (result.output_dir / "checkpoints").glob("[0-9]*")) == [1, 2, 3]
 
 
+def test_the_curriculum_reaches_a_vl_run(vl_run):
+    """The curriculum's options reach the image run's update: stage 0 (easy, no length reward) at
+    iteration 1, stage 1 (hard, with it) after (`check_curriculum_history`)."""
+    check_curriculum_history(vl_run[1].history)
+
+
 def test_a_killed_vl_run_resumes_exactly(vl_run, tmp_path):
     """The run's directory as a kill after iteration 1 leaves it (checkpoints 2 and 3 gone),
     resumed: iterations 2 and 3 give the uninterrupted run's metrics and bitwise its params.
@@ -63,7 +78,7 @@ def test_a_killed_vl_run_resumes_exactly(vl_run, tmp_path):
     shutil.copytree(full.output_dir, cut)
     for step in (2, 3):
         shutil.rmtree(cut / "checkpoints" / str(step))
-    resumed = train(load_config("vl_default", [f"output_dir={cut}", *TINY]), resume=True)
+    resumed = train(load_config("vl_default", [f"output_dir={cut}", *RUN]), resume=True)
     p_full, p_cut = jax.device_get((full.state.params, resumed.state.params))
     assert "visual" in p_cut
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p_full), jax.tree.leaves(p_cut)))
