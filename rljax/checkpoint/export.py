@@ -18,6 +18,7 @@ from rljax.checkpoint.tree_check import model_config_from_dict
 from rljax.errors import CheckpointError
 from rljax.lora import LoraConfig, init_adapters, merged_model, save_peft
 from rljax.models import ModelConfig, init_params, save_hf
+from rljax.models.vl_io import save_vl
 from rljax.storage import as_path, is_remote, upload_tree
 from rljax.tokenizers import Tokenizer
 
@@ -92,6 +93,30 @@ def export_hf(directory: str | os.PathLike, out_dir: str | os.PathLike, step: in
 
     _write(out_dir, write)
     return cfg
+
+
+def export_vl(directory: str | os.PathLike, out_dir: str | os.PathLike, step: int | str | None, vl_cfg, *,
+              params_template, tokenizer: Tokenizer | None = None):
+    """Write a vision-language run's checkpoint `step` as a Qwen2.5-VL HF directory
+    (`Qwen2_5_VLForConditionalGeneration`: decoder, vision tower, merger and the M-RoPE sections
+    in config.json; `rljax.models.vl_io.save_vl`) in `out_dir`; a LoRA run's decoder adapters are
+    merged first. `vl_cfg` is the run's `VLConfig` and `params_template` its params' shapes
+    (decoder plus `visual`; `rljax.train.vision_setup.build_vision` gives both). The decoder's
+    config comes from the checkpoint, after the merge (an adapted tied embedding comes back
+    untied), so the export computes what the trained policy does. Returns the written config."""
+    text_cfg, params = load_params(directory, step, params_template=params_template)
+    if "visual" not in params:
+        raise CheckpointError(f"checkpoint {directory} holds no vision tower (params['visual']); it is a text "
+                              "run's: export it as one")
+    vl_cfg = vl_cfg.replace(text=text_cfg)
+
+    def write(path):
+        save_vl(vl_cfg, params, path)
+        if tokenizer is not None:
+            tokenizer.save(path)
+
+    _write(out_dir, write)
+    return vl_cfg
 
 
 BASE_SUBDIR = "base"

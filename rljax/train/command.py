@@ -172,11 +172,26 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    import jax
+
     from rljax.checkpoint import export_hf, export_peft
+    from rljax.checkpoint.export import export_vl
+    from rljax.errors import CheckpointError
     from rljax.models.setup import build_tokenizer
+    from rljax.train.vision_setup import build_vision
 
     cfg, picked = _run_config(args.run_dir, args.step)
     tokenizer = build_tokenizer(cfg.model)
+    vision = build_vision(cfg, tokenizer, jax.random.key(0), (None, None))  # None: a text policy
+    if vision is not None:  # a Qwen2.5-VL directory: tower, merger, M-RoPE; LoRA adapters merged
+        if args.adapter:
+            raise CheckpointError("--adapter writes a PEFT adapter for a text model; a vision-language run exports "
+                                  "one Qwen2.5-VL directory with its adapters merged: drop --adapter")
+        export_vl(picked.checkpoints, args.out_dir, picked.step, vision.cfg,
+                  params_template=jax.eval_shape(lambda: vision.params), tokenizer=tokenizer)
+        print(f"exported {picked.describe()} of {args.run_dir} to {args.out_dir} as a Qwen2.5-VL model (vision tower "
+              "and merger included), with its tokenizer")
+        return 0
     if args.adapter:
         lora = export_peft(picked.checkpoints, args.out_dir, picked.step, tokenizer=tokenizer)
         print(f"exported the rank-{lora.rank} LoRA adapter of {picked.describe()} of {args.run_dir} to "
