@@ -18,10 +18,20 @@ and packing select the same tokens and give the same gradient). The micro-batche
 passes compute the same log-probs again (with gradients); verl's cov uses those detached, so the
 values are the same up to the numerics of a different batch shape.
 
-The scoring pass costs one forward of the mini-batch. It is skipped (`fast_logp`) where its
-log-probs are already known: one mini-batch and one epoch with `recompute_old_logp`, where the
-ratio's denominator `old_logp_bt` was scored by the same params (the high-entropy mask still
-needs the entropies, so it always scores).
+The scoring pass costs one forward of the mini-batch (about a fifth of a small model's update
+step). Two places already hold that forward, and the selection reads them instead:
+
+- the loss's own forward (`controls_in_loss`): when the mini-batch is one unpacked micro-batch
+  and the trained forward has no LoRA dropout, `microbatch_loss` sees exactly the mini-batch's
+  rows at the same params, so it calls `select_tokens` on its detached log-probs and entropies
+  before the policy loss. Same scope, same key, same tokens; the selection depends on no
+  gradient, so the loss and its gradient are the reference's;
+- else `old_logp_bt` (`fast_logp`): one mini-batch and one epoch with `recompute_old_logp`, where
+  the ratio's denominator was scored by the same params (the high-entropy mask needs entropies,
+  which that pass does not keep, so it still scores).
+
+Otherwise (several micro-batches, packing, LoRA dropout) `token_controls` scores the mini-batch:
+the reference path, which `tests/update/test_controls.py` checks the loss's path against.
 """
 
 from __future__ import annotations
@@ -63,6 +73,15 @@ def score_rows(cfg, params, tokens_bt, attn_mask_bt, *, chunks: int, update_cfg,
     return sg(logp), (sg(ent) if with_entropy else None)
 
 
+def controls_in_loss(state) -> bool:
+    """Whether the loss's own forward serves the token controls (no scoring pass): token controls
+    on, one micro-batch, no packing (the loss's forward then runs on exactly the mini-batch's
+    rows) and no LoRA dropout (it then runs at exactly the mini-batch's params)."""
+    sched, lora = state.update_cfg, state.lora
+    return (state.algo.token_controls and sched.num_microbatches == 1 and not sched.packing
+            and (lora is None or lora.dropout == 0))
+
+
 def fast_logp(algo, update_cfg) -> bool:
     """Whether the mini-batch's own log-probs are `old_logp_bt` (no scoring pass needed for a
     covariance selection): one mini-batch, one epoch, old log-probs recomputed by the trainer."""
@@ -70,24 +89,17 @@ def fast_logp(algo, update_cfg) -> bool:
             and algo.top_entropy_quantile >= 1.0)
 
 
-def token_controls(state, trainable, mb: PreparedBatch, mb_key, *, chunks: int,
-                   logp_bt=None) -> tuple[PreparedBatch, dict[str, tuple[jax.Array, jax.Array]]]:
-    """The mini-batch `mb` with `select_bt` and `entropy_keep_bt` set, and their metrics as
-    (numerator, denominator) pairs: policy/cov_mean (the mean covariance over the valid tokens),
-    policy/cov_clipped_share (selected / valid tokens), policy/entropy_masked_share (valid tokens
-    without policy loss under the entropy mask). `logp_bt`: the mini-batch's log-probs when known
-    (`fast_logp`); else they are scored with `trainable` in `chunks` row blocks."""
-    algo = state.algo
+def select_tokens(algo, mb: PreparedBatch, logp_bt, entropy_bt, mb_key
+                  ) -> tuple[PreparedBatch, dict[str, tuple[jax.Array, jax.Array]]]:
+    """The mini-batch `mb` with `select_bt` and `entropy_keep_bt` set from the policy's log-probs
+    and entropies on its rows (`entropy_bt`: None unless `top_entropy_quantile` < 1), and their
+    metrics as (numerator, denominator) pairs: policy/cov_mean (the mean covariance over the valid
+    tokens), policy/cov_clipped_share (selected / valid tokens), policy/entropy_masked_share
+    (valid tokens without policy loss under the entropy mask). Every mean, top-k, quantile and
+    draw runs over all of `mb`; the draw's key is folded from `mb_key`. Pure, no gradient."""
+    logp_bt = sg(logp_bt)
     mask = mb.loss_mask_bt
-    need_entropy = algo.top_entropy_quantile < 1.0
-    ent = None
-    if logp_bt is None or need_entropy:
-        policy, _ = state.models(trainable)
-        logp_bt, ent = score_rows(state.model_cfg, policy, mb.tokens_bt, mb.attn_mask_bt, chunks=chunks,
-                                  update_cfg=state.update_cfg, with_entropy=need_entropy, routes_btlk=mb.routes_btlk)
-    on = mask > 0
-    n = jnp.sum(on).astype(jnp.float32)
-    one = jnp.ones((), jnp.float32)
+    n = jnp.sum(mask > 0).astype(jnp.float32)
     pairs = {}
     select, keep = None, None
     selects = POLICY_LOSSES.selects(algo.policy_loss)
@@ -95,9 +107,24 @@ def token_controls(state, trainable, mb: PreparedBatch, mb_key, *, chunks: int,
         key = jax.random.fold_in(mb_key, SELECTION_STREAM)
         select = selects(logp_bt, mb.old_logp_bt, mb.advantages_bt, mask, key, algo).astype(jnp.float32)
         cov = token_covariance(logp_bt, mb.advantages_bt, mask)
-        pairs["policy/cov_mean"] = (jnp.sum(cov) / jnp.maximum(n, 1.0), one)
+        pairs["policy/cov_mean"] = (jnp.sum(cov) / jnp.maximum(n, 1.0), jnp.ones((), jnp.float32))
         pairs["policy/cov_clipped_share"] = (jnp.sum(select), n)
-    if need_entropy:
-        keep = entropy_quantile_mask(ent, mask, algo.top_entropy_quantile)
+    if algo.top_entropy_quantile < 1.0:
+        keep = entropy_quantile_mask(sg(entropy_bt), mask, algo.top_entropy_quantile)
         pairs["policy/entropy_masked_share"] = (n - jnp.sum(keep), n)
     return mb.replace(select_bt=select, entropy_keep_bt=keep), pairs
+
+
+def token_controls(state, trainable, mb: PreparedBatch, mb_key, *, chunks: int,
+                   logp_bt=None) -> tuple[PreparedBatch, dict[str, tuple[jax.Array, jax.Array]]]:
+    """`select_tokens` on the mini-batch `mb` scored by the policy of `trainable` in `chunks` row
+    blocks, without gradients (the reference path). `logp_bt`: the mini-batch's log-probs when
+    known (`fast_logp`); scored only when the entropy mask needs entropies."""
+    algo = state.algo
+    need_entropy = algo.top_entropy_quantile < 1.0
+    ent = None
+    if logp_bt is None or need_entropy:
+        policy, _ = state.models(trainable)
+        logp_bt, ent = score_rows(state.model_cfg, policy, mb.tokens_bt, mb.attn_mask_bt, chunks=chunks,
+                                  update_cfg=state.update_cfg, with_entropy=need_entropy, routes_btlk=mb.routes_btlk)
+    return select_tokens(algo, mb, logp_bt, ent, mb_key)

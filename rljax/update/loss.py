@@ -24,6 +24,7 @@ from rljax.objectives.registry import DISTILLATION, POLICY_LOSSES
 from rljax.objectives.rollout_correction import mask_kl_penalty
 from rljax.update.batch import PreparedBatch, replayed_routes, state_values
 from rljax.update.config import UpdateConfig
+from rljax.update.controls import select_tokens
 from rljax.update.moe_terms import router_terms
 from rljax.update.packing import Slab
 
@@ -40,7 +41,8 @@ def aggregation_denominator(batch: PreparedBatch, algo: AlgorithmConfig, norm_le
 
 def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: ModelConfig, algo: AlgorithmConfig,
                     update_cfg: UpdateConfig, norm_length: int, share: float = 1.0, models=None,
-                    slab: Slab | None = None, teacher: FrozenModel | None = None, entropy_coef=None
+                    slab: Slab | None = None, teacher: FrozenModel | None = None, entropy_coef=None,
+                    controls_key: jax.Array | None = None
                     ) -> tuple[jax.Array, tuple[MetricPairs, dict[str, jax.Array]]]:
     """Total loss of one micro-batch (numerators over the mini-batch denominator `den`) and its
     metrics: (numerator, denominator) pairs and extremes. `share` is this micro-batch's share of
@@ -61,6 +63,10 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     multiplies the policy loss (the high-entropy tokens keep it, the others stay in the
     denominator, as in TRL), and a `mask_kl` correction adds off_policy_kl_coef x the aggregated
     1/2 (log pi - log mu)^2 on the tokens it zeroed (`rljax.objectives.rollout_correction`).
+    With `controls_key` (the mini-batch's key; only when `batch` is the whole mini-batch, unpacked,
+    `rljax.update.controls.controls_in_loss`) the loss selects those tokens itself from its own
+    forward's detached log-probs and entropies (`select_tokens`) instead of a scoring pass, and
+    returns the selection's metrics with its own.
 
     Routing replay: a batch carrying `routes_btlk` runs its forward (packed or not) with those
     experts; the routing metrics then compare the trainer's own top-k with the record."""
@@ -71,6 +77,10 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy or algo.adaptive_entropy
+    select_here = controls_key is not None
+    if select_here and slab is not None:
+        raise ValueError("controls_key selects over the whole mini-batch; a packed slab holds part of it")
+    mask_entropy = select_here and algo.top_entropy_quantile < 1.0  # the mask reads this forward's entropies
     v_bt = None
     distill = DISTILLATION.get(algo.distill) if algo.distill != "none" else None
     distill_loss = distill is not None and distill.kind == "loss"
@@ -79,7 +89,8 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
                           "micro-batches do not keep: set update.packing=false")
     if slab is None:
         lp_chunks = update_cfg.chunk_for(b, t, cfg.vocab_size)
-        logp, ent, *h_s = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
+        logp, ent, *h_s = token_logprobs(cfg, params, batch.tokens_bt, batch.attn_mask_bt,
+                                         with_entropy=with_entropy or mask_entropy,
                                          chunk_size=lp_chunks.time, vocab_chunk=lp_chunks.vocab, remat=update_cfg.remat,
                                          unroll=update_cfg.layers_unrolled(), return_hidden=distill_loss,
                                          return_routing=cfg.moe is not None,
@@ -97,6 +108,9 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         # with a loss token), where the padded layout reads every real token of the micro-batch
         routing, routing_mask = packed[0] if packed else (None, None)
         m = m * slab.rows()[:, None].astype(m.dtype)
+    control_pairs = {}
+    if select_here:  # the token controls from this forward, detached (`rljax.update.controls`)
+        batch, control_pairs = select_tokens(algo, batch, sg(logp), None if ent is None else sg(ent), controls_key)
     selected = {} if batch.select_bt is None else dict(select_bt=batch.select_bt, kl_cov_coef=algo.kl_cov_coef)
     pg_bt, st = POLICY_LOSSES.get(algo.policy_loss)(
         logp, batch.old_logp_bt, batch.advantages_bt, m, eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high,
@@ -123,7 +137,8 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
         "approx_kl": (msum(kl(batch.old_logp_bt, logp, "k3")), n_tok),
         "logp_diff/abs_mean": (msum(jnp.abs(log_ratio)), n_tok),
     }
-    if ent is not None:
+    pairs.update(control_pairs)
+    if with_entropy:
         ent_num = agg(ent)
         if algo.adaptive_entropy:
             coef = algo.entropy_coef if entropy_coef is None else entropy_coef

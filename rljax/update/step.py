@@ -38,7 +38,7 @@ from rljax.sharding import Layout, sync_weights
 from rljax.update.advantages import check_routing_replay, prepare_batch
 from rljax.update.batch import RolloutBatch, rows
 from rljax.update.config import UpdateConfig
-from rljax.update.controls import fast_logp, token_controls
+from rljax.update.controls import controls_in_loss, fast_logp, token_controls
 from rljax.update.loss import aggregation_denominator, microbatch_loss
 from rljax.update.packing import Slab, pack_rows, pad_fraction
 from rljax.update.vision import freeze_tower
@@ -236,6 +236,9 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
     grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
     lora_dropout = state.lora is not None and state.lora.dropout > 0
+    # the token controls' selection: from the loss's own forward where that forward sees the whole
+    # mini-batch at its params, else from a scoring pass before micro-batching (rljax.update.controls)
+    select_in_loss = controls_in_loss(state)
 
     def microbatches(trainable, mb, mb_key, den):
         """Gradients and metrics of a mini-batch, accumulated over `num_microbatches` row blocks."""
@@ -244,7 +247,8 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
             models = functools.partial(state.models, dropout_key=key if lora_dropout else None)
             (_, aux), grads = grad_fn(trainable, part, den, cfg=cfg, algo=algo, update_cfg=sched,
                                       norm_length=norm_length, share=1.0 / n_micro, models=models,
-                                      teacher=state.teacher, entropy_coef=state.entropy_coef)
+                                      teacher=state.teacher, entropy_coef=state.entropy_coef,
+                                      controls_key=mb_key if select_in_loss else None)
             return jax.tree.map(jnp.add, g_acc, grads), aux
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
@@ -287,7 +291,7 @@ def update(state: TrainState, batch: RolloutBatch, rng: jax.Array) -> tuple[Trai
         (trainable, opt_state), (mb, mb_key) = carry, xs
         den = aggregation_denominator(mb, algo, norm_length)
         control_pairs = {}
-        if algo.token_controls:  # selections over the whole mini-batch (rljax.update.controls)
+        if algo.token_controls and not select_in_loss:  # selections over the whole mini-batch
             known = mb.old_logp_bt if fast_logp(algo, sched) else None
             mb, control_pairs = token_controls(state, trainable, mb, mb_key, chunks=n_micro, logp_bt=known)
         accumulate = packed_microbatches if sched.packing else microbatches
