@@ -54,7 +54,8 @@ import jax.numpy as jnp
 
 from rljax.objectives.registry import Registry
 
-# A row is correct when its verifier score reaches this (the threshold `group_stats` uses).
+# A row is correct when its verifier's `correct` part (`RolloutBatch.verifier_rewards_b`; the total
+# reward when the rollout carries no parts) reaches this (the threshold `group_stats` uses).
 CORRECT_AT = 1.0
 
 STAGES: Registry = Registry("difficulty weighting stage")

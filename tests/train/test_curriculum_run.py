@@ -15,6 +15,7 @@ from test_loop import TINY
 CURRICULUM = ["shaping.difficulty_stages=['easy', 'hard']", "shaping.difficulty_boundaries=[1]",
               "shaping.length_reward_coef=0.5"]
 SHORT = TINY + ["warm_start.steps=5", "rl.iterations=2", "rl.prompts_per_iteration=4", "sampling.num_samples=4",
+                "model.hidden_size=32", "model.num_layers=1", "model.head_dim=16", "data.size=64", "data.eval_size=4",
                 "eval.every=100", "eval.size=4", "mesh.devices=1", "checkpoint.every=100"]
 
 

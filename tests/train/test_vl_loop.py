@@ -105,7 +105,7 @@ def test_rljax_eval_reports_pass_at_k_of_a_vl_checkpoint(vl_run, capsys):
     assert 0.0 <= out["pass@1"] <= out["pass@4"] <= 1.0 and math.isfinite(out["mean@4"])
 
 
-def test_rljax_export_of_a_vl_run_reloads_in_transformers(vl_run, tmp_path):
+def test_rljax_export_of_a_vl_run_reloads_in_transformers(vl_run, tmp_path, capsys):
     """`rljax export` of the VL run's checkpoint writes a Qwen2.5-VL directory that transformers'
     Qwen2_5_VLForConditionalGeneration loads into the trained policy: its logits on an image
     prompt (left-padded, two rows) equal our forward with the run's own config and params within
@@ -142,6 +142,9 @@ def test_rljax_export_of_a_vl_run_reloads_in_transformers(vl_run, tmp_path):
                                  jax.numpy.asarray(mask, bool), inputs))
     real = mask.astype(bool)
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    capsys.readouterr()
+    assert main(["export", str(result.output_dir), str(tmp_path / "peft"), "--adapter"]) == 2  # a text-only form
+    assert "drop --adapter" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("override, match", [
