@@ -23,7 +23,8 @@ class RewardShaping:
     VL-Cogito's progressive curriculum (`rljax.objectives.difficulty`, off by default):
     `difficulty_stages` (e.g. ["easy", "medium", "hard"]; empty: off) weighs each prompt's
     advantages by its rollout accuracy through the stage's function (ODSW), stage k from RL
-    iteration `difficulty_boundaries[k - 1]` on (one boundary fewer than stages);
+    iteration `difficulty_boundaries[k - 1]` on (iterations counted from 0, as optimiser steps over
+    `num_epochs * num_minibatches`; one boundary fewer than stages);
     `difficulty_zero_weight` is the hard stage's weight of a prompt with no correct rollout.
     `length_reward_coef` > 0 adds the dynamic length reward (DyLR), whose target is the mean
     length of a prompt's correct rollouts, or `length_reward_fallback` tokens (unset: the
