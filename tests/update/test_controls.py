@@ -172,9 +172,10 @@ def test_selection_from_the_loss_forward_equals_the_scoring_pass(name, monkeypat
     computation in both and the selection carries no gradient, so loss and gradients agree to f32
     rounding (rtol 1e-6 / 1e-5 on gradient entries); one token selected differently moves the loss
     by ~1e-3 of its value here (KL-Cov's |log r| term, a token zeroed by Clip-Cov or the mask).
-    Fails if the loss's path selected with another key (Clip-Cov's draw), let a gradient through
-    the selection, took the entropy quantile over padded tokens or not at all, or dropped the
-    selection's metrics."""
+    Fails if the loss's path selected with another key (Clip-Cov's draw; checked: fold_in(key, 1)
+    changes 12 of the 96 entries), from other log-probs than its forward's (the batch's sampler
+    log-probs, 0.5 nats of noise here), without the entropy mask (no entropies in that forward), or
+    dropped the selection's metrics."""
     from rljax.update import loss as loss_mod
     from rljax.update.loss import aggregation_denominator, microbatch_loss
     algo = AlgorithmConfig(algorithm="grpo", **SELECTIONS[name])
