@@ -35,7 +35,7 @@ class RewardShaping:
     overlong_buffer: int = bounded(0, ge=0)
     length_penalty: float = bounded(0.0, ge=0)
     difficulty_stages: tuple[str, ...] = ()
-    difficulty_boundaries: tuple[int, ...] = ()
+    difficulty_boundaries: tuple[int, ...] = bounded((), ge=0)
     difficulty_zero_weight: float = bounded(0.25, ge=0, le=1)
     length_reward_coef: float = bounded(0.0, ge=0)
     length_reward_fallback: int | None = bounded(None, ge=1)

@@ -195,7 +195,7 @@ def test_every_numeric_setting_declares_its_range():
     default (`learning_rate: float = bounded(1e-6, gt=1e-3)`)."""
     unranged = [key for key, f, _ in SETTINGS if field_bound(f) is None]
     assert not unranged, f"numeric settings without a declared range: {unranged}"
-    assert len(SETTINGS) == 151  # + [model.vision]: 7 (issue 49)
+    assert len(SETTINGS) == 156  # + [model.vision]: 7, [shaping] curriculum: 4 (issue 49); sampling.kv_cache_bytes
     defaults = TrainConfig()
     for key, f, _ in SETTINGS:
         if key.startswith("data.sources"):
