@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 import rljax.models as M
 from hf_factory import save_random_model
+from moe_hf import hf_logits_and_routers, left_padded, unit_router
 from rljax.errors import CheckpointError
 from rljax.models.experts import ExpertWeights, experts_apply
 from rljax.models.moe import moe_mlp
@@ -41,10 +42,6 @@ FAMILIES = {
 def make_moe_checkpoint(family: str, path, seed: int = 0):
     """A random-init MoE model saved to `path`: norms and biases randomised, and the routers drawn
     at unit scale per logit (the HF init's are near zero, so top-k would be decided by ties)."""
-    def unit_router(name, p):
-        if name.endswith("mlp.gate.weight"):
-            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5 * 4)
-
     torch.manual_seed(seed)
     return save_random_model(FAMILIES[family](), path, unit_router)
 
@@ -57,30 +54,14 @@ def moe_ckpt(request, tmp_path_factory):
     return request.param, path, model, cfg, params
 
 
-def _left_padded(rng, batch, length, vocab):
-    tokens = rng.integers(1, vocab, (batch, length))
-    mask = np.ones((batch, length), bool)
-    for i in range(batch):
-        tokens[i, :i * 3], mask[i, :i * 3] = 0, False
-    return tokens, mask
-
-
-def _hf(model, tokens, mask):
-    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
-    with torch.no_grad():
-        out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
-                    position_ids=torch.tensor(positions), output_router_logits=True)
-    return out.logits.float().numpy(), [r.float().numpy() for r in out.router_logits]
-
-
 def test_logits_and_routes_match_transformers(moe_ckpt):
     """On ragged left-padded rows, f32 logits equal transformers' within 1e-4 at every real
     token, for the grouped and the dense experts, and every layer's router picks transformers'
     top-k (same experts, same order) on every real token."""
     family, _, model, cfg, params = moe_ckpt
     assert cfg.moe.num_experts == (8 if family == "mixtral_top8" else 4)
-    tokens, mask = _left_padded(np.random.default_rng(1), 3, 12, cfg.vocab_size)
-    ref, ref_router = _hf(model, tokens, mask)
+    tokens, mask = left_padded(np.random.default_rng(1), 3, 12, cfg.vocab_size)
+    ref, ref_router = hf_logits_and_routers(model, tokens, mask)
     for impl in ("grouped", "dense"):
         c = cfg.replace(moe=cfg.moe.replace(impl=impl))
         ours, _ = M.forward(c, params, jnp.asarray(tokens), attn_mask_bt=jnp.asarray(mask))
@@ -115,8 +96,9 @@ def test_export_reloads_in_transformers(moe_ckpt, tmp_path, layout):
     family, _, model, cfg, params = moe_ckpt
     M.save_hf(cfg, params, tmp_path / "out", expert_layout=layout)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    tokens, mask = _left_padded(np.random.default_rng(3), 2, 10, cfg.vocab_size)
-    np.testing.assert_allclose(_hf(reloaded, tokens, mask)[0][mask], _hf(model, tokens, mask)[0][mask],
+    tokens, mask = left_padded(np.random.default_rng(3), 2, 10, cfg.vocab_size)
+    np.testing.assert_allclose(hf_logits_and_routers(reloaded, tokens, mask)[0][mask],
+                               hf_logits_and_routers(model, tokens, mask)[0][mask],
                                atol=1e-6, rtol=0)
     _, back = M.load_hf(tmp_path / "out")
     jax.tree.map(np.testing.assert_array_equal, back, params)
@@ -146,8 +128,8 @@ def test_hand_written_per_expert_checkpoint_loads(tmp_path):
             fused[name] = w
         else:
             fused.setdefault(name, w)
-    tokens, mask = _left_padded(np.random.default_rng(4), 2, 9, 96)
-    ref = _hf(model, tokens, mask)[0]
+    tokens, mask = left_padded(np.random.default_rng(4), 2, 9, 96)
+    ref = hf_logits_and_routers(model, tokens, mask)[0]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     for layout, tensors in (("hub", hub), ("fused", fused)):
         d = tmp_path / layout

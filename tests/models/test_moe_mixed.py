@@ -13,6 +13,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 import rljax.models as M
 from hf_factory import save_random_model
+from moe_hf import hf_logits_and_routers, left_padded, unit_router
 from rljax.errors import CheckpointError
 from rljax.models.mlp_kinds import layer_kinds, segments
 from rljax.models.moe_config import MoEConfig, dense_layers_from_hf
@@ -34,34 +35,17 @@ FAMILIES = {
 }
 
 
-def _unit_router(name, p):  # routers at unit scale per logit (HF's near-zero init ties the top-k)
-    if name.endswith("mlp.gate.weight"):
-        p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5 * 4)
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def mixed(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     torch.manual_seed(0)
-    model = save_random_model(FAMILIES[request.param](), path, _unit_router)
+    model = save_random_model(FAMILIES[request.param](), path, unit_router)
     cfg, params = M.load_hf(path)
     return request.param, path, model, cfg, params
 
 
 def _rows(seed, batch=3, length=12):
-    rng = np.random.default_rng(seed)
-    tokens, mask = rng.integers(1, 96, (batch, length)), np.ones((batch, length), bool)
-    for i in range(batch):
-        tokens[i, :i * 3], mask[i, :i * 3] = 0, False
-    return tokens, mask
-
-
-def _hf(model, tokens, mask):
-    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
-    with torch.no_grad():
-        out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
-                    position_ids=torch.tensor(positions), output_router_logits=True)
-    return out
+    return left_padded(np.random.default_rng(seed), batch, length, 96)
 
 
 @pytest.mark.parametrize("step,only,layers", [(1, [], 4), (2, [], 4), (2, [0], 4), (3, [1, 4], 6), (1, [0, 2], 3)])
@@ -94,20 +78,18 @@ def test_mixed_stack_logits_and_routes_match_transformers(mixed):
     assert cfg.moe.dense_layers == (0, 2) and params["layers"]["gate"].shape == (2, 64, 88)
     assert params["layers"]["router"].shape == (2, 64, 4) and params["layers"]["q"].shape[0] == 4
     tokens, mask = _rows(1)
-    out = _hf(model, tokens, mask)
-    ref = out.logits.float().numpy()
+    ref, routers = hf_logits_and_routers(model, tokens, mask)
     h, aux = hidden_states_and_routes(cfg, params, jnp.asarray(tokens), attn_mask_bt=jnp.asarray(mask))
     ours = M.logits_from_hidden(cfg, params, h)
     np.testing.assert_allclose(np.asarray(ours)[mask], ref[mask], atol=TOL, rtol=0)
-    assert aux.routes_btk.shape == (2, *tokens.shape, 2) and len(out.router_logits) == 2
-    for layer, logits_te in enumerate(out.router_logits):
-        logits_te = logits_te.float().numpy()
+    assert aux.routes_btk.shape == (2, *tokens.shape, 2) and len(routers) == 2
+    for layer, logits_te in enumerate(routers):
         hf_routes = torch.topk(torch.softmax(torch.tensor(logits_te), -1), 2).indices.numpy()
         np.testing.assert_array_equal(np.asarray(aux.routes_btk[layer])[mask], hf_routes.reshape(*mask.shape, 2)[mask])
         np.testing.assert_allclose(np.asarray(aux.router_logits_bte[layer])[mask],
                                    logits_te.reshape(*mask.shape, -1)[mask], atol=TOL, rtol=0)
     # the load-balancing loss over the sparse layers only, as transformers computes it
-    hf_lb = load_balancing_loss_func(tuple(r.float() for r in out.router_logits), 4, 2, torch.tensor(mask))
+    hf_lb = load_balancing_loss_func(tuple(torch.tensor(r) for r in routers), 4, 2, torch.tensor(mask))
     np.testing.assert_allclose(float(load_balancing_loss(aux, jnp.asarray(mask), 4, 2)), float(hf_lb), rtol=1e-5)
 
 
@@ -144,8 +126,8 @@ def test_mixed_stack_export_reloads(mixed, tmp_path, layout):
     M.save_hf(cfg, params, tmp_path / "out", expert_layout=layout)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens, mask = _rows(3, 2, 10)
-    np.testing.assert_allclose(_hf(reloaded, tokens, mask).logits.numpy()[mask],
-                               _hf(model, tokens, mask).logits.numpy()[mask], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(hf_logits_and_routers(reloaded, tokens, mask)[0][mask],
+                               hf_logits_and_routers(model, tokens, mask)[0][mask], atol=1e-6, rtol=0)
     back_cfg, back = M.load_hf(tmp_path / "out")
     assert back_cfg.moe.dense_layers == (0, 2)
     jax.tree.map(np.testing.assert_array_equal, back, params)
@@ -169,13 +151,15 @@ def test_mixed_checkpoint_that_disagrees_with_its_config_is_refused(mixed, tmp_p
 
 
 def test_mixed_stack_update_router_loss_and_replay():
-    """A random-init mixed stack (layers 0 and 2 dense) through `update_step`: `loss/router_aux`
-    equals transformers' `load_balancing_loss_func` on the sparse layers' router logits of a
-    separate forward; replaying the trainer's own routes (a [B, T, 2, k] record) gives the
-    unreplayed update within 1e-6 and route agreement 1; a record flipped on the second sparse
-    layer (layer 3) lowers the agreement to exactly the flipped share and changes the update.
-    Catches the router loss over all layers, a record sliced onto the wrong segment (layer 1's
-    record replayed at layer 3), and a replay the segmented scan drops."""
+    """A random-init mixed stack (layers 0 and 2 dense) through `update_step` with routing replay
+    on: with an empty record (-1 everywhere: each token routed by the router's own top-k, as
+    without replay) `loss/router_aux` equals transformers' `load_balancing_loss_func` on the
+    sparse layers' router logits of a separate forward; replaying the trainer's own routes (a
+    [B, T, 2, k] record) gives that update within 1e-6 and route agreement 1; a record flipped on
+    the second sparse layer (layer 3) lowers the agreement to exactly the flipped share and
+    changes the update. All three updates are one compiled program (same config, same record
+    shape). Catches the router loss over all layers, a record sliced onto the wrong segment
+    (layer 1's record replayed at layer 3), and a replay the segmented scan drops."""
     from rljax.objectives import AlgorithmConfig, prompt_major_group_ids
     from rljax.optim import OptimConfig
     from rljax.update import RolloutBatch, init_train_state, update_step
@@ -199,19 +183,20 @@ def test_mixed_stack_update_router_loss_and_replay():
     logits = tuple(torch.tensor(np.asarray(x)[attn]) for x in aux.router_logits_bte)
     hf_lb = float(load_balancing_loss_func(logits, 4, 2))
 
-    def run(algo, record=None):
-        state = init_train_state(cfg, jax.tree.map(jnp.array, params), algo, OptimConfig(learning_rate=1e-2))
+    replay = AlgorithmConfig(algorithm="grpo", router_aux_coef=1.0, routing_replay="rollout")
+
+    def run(record):
+        state = init_train_state(cfg, jax.tree.map(jnp.array, params), replay, OptimConfig(learning_rate=1e-2))
         return jax.tree.map(np.asarray, update_step(state, batch.replace(routes_btlk=record), jax.random.key(0)))
 
-    plain, m = run(AlgorithmConfig(algorithm="grpo", router_aux_coef=1.0))
-    np.testing.assert_allclose(float(m["loss/router_aux"]), hf_lb, rtol=1e-5)
-    replay = AlgorithmConfig(algorithm="grpo", router_aux_coef=1.0, routing_replay="rollout")
     own = jnp.where(batch.attn_mask_bt[..., None, None], aux.routes_btk.transpose(1, 2, 0, 3), -1).astype(jnp.int8)
-    same, m_same = run(replay, own)
+    plain, m = run(jnp.full_like(own, -1))
+    np.testing.assert_allclose(float(m["loss/router_aux"]), hf_lb, rtol=1e-5)
+    same, m_same = run(own)
     assert float(m_same["moe/route_agreement"]) == 1.0
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), same.params, plain.params)
     flip = own.at[:, :, 1].set(jnp.where(own[:, :, 1] >= 0, (own[:, :, 1] + 1) % 4, -1))  # layer 3 only
-    flipped, m_flip = run(replay, flip)
+    flipped, m_flip = run(flip)
     changed = ~np.all(np.sort(np.asarray(flip), -1) == np.sort(np.asarray(own), -1), -1)[attn]  # [tokens, 2]
     np.testing.assert_allclose(float(m_flip["moe/route_agreement"]), 1.0 - changed.mean(), rtol=1e-6)
     assert changed[:, 1].mean() > 0.5 and not changed[:, 0].any()
