@@ -61,26 +61,26 @@ CORRECT_AT = 1.0
 STAGES: Registry = Registry("difficulty weighting stage")
 
 
-def _bell(acc_g):
-    return jnp.cos(math.pi * (acc_g - 0.5))
+def _bell(acc):
+    return jnp.cos(math.pi * (acc - 0.5))
 
 
 @STAGES.register("easy")
-def easy_weight(acc_g, zero_weight: float):
+def easy_weight(acc, zero_weight: float):
     """F(Acc) = 1 for Acc > 1/2, cos(pi (Acc - 1/2)) below (0 at Acc = 0)."""
-    return jnp.where(acc_g == 0, 0.0, jnp.where(acc_g > 0.5, 1.0, _bell(acc_g)))
+    return jnp.where(acc == 0, 0.0, jnp.where(acc > 0.5, 1.0, _bell(acc)))
 
 
 @STAGES.register("medium")
-def medium_weight(acc_g, zero_weight: float):
+def medium_weight(acc, zero_weight: float):
     """F(Acc) = cos(pi (Acc - 1/2)) (0 at Acc = 0)."""
-    return jnp.where(acc_g == 0, 0.0, _bell(acc_g))
+    return jnp.where(acc == 0, 0.0, _bell(acc))
 
 
 @STAGES.register("hard")
-def hard_weight(acc_g, zero_weight: float):
+def hard_weight(acc, zero_weight: float):
     """F(Acc) = 1 for 0 < Acc <= 1/2, cos(pi (Acc - 1/2)) above, w_0 at Acc = 0."""
-    return jnp.where(acc_g == 0, zero_weight, jnp.where(acc_g <= 0.5, 1.0, _bell(acc_g)))
+    return jnp.where(acc == 0, zero_weight, jnp.where(acc <= 0.5, 1.0, _bell(acc)))
 
 
 class CurriculumTerms(NamedTuple):
