@@ -197,6 +197,33 @@ def _row_axes(mesh, rows: int):
     return None
 
 
+def spread_rows(rows_tree):
+    """The sampler's rows under a context mesh: every leaf's leading (row) dim constrained over the
+    batch axes and `context` together (the longest trailing run of them, `context` included, that
+    divides the rows), so each device of a context group decodes rows of its own; unchanged
+    without a context axis or when no such run divides the rows.
+
+    Decoding has no sequence to split: a new token attends to its own row's cache, and the cached
+    forward takes no context-parallel path. Left as the prompts arrive (rows over the batch axes
+    only), the C devices of a context group would decode the same rows and each hold their whole
+    KV cache. The update reshards the rollout into its own rows x tokens layout."""
+    mesh = context_mesh()
+    leaves = jax.tree.leaves(rows_tree)
+    axes = None if mesh is None or not leaves else spread_axes(mesh, leaves[0].shape[0])
+    if axes is None:
+        return rows_tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(axes)), rows_tree)
+
+
+def spread_axes(mesh, rows: int) -> tuple[str, ...] | None:
+    """The axes `spread_rows` splits `rows` over: the longest trailing run of (data, fsdp, expert,
+    context), those of the mesh with more than one device, that contains `context` and divides
+    the rows; None if none does."""
+    present = tuple(a for a in (*ROW_AXES, CONTEXT_AXIS) if a in mesh.axis_names and mesh.shape[a] > 1)
+    runs = [present[i:] for i in range(len(present)) if CONTEXT_AXIS in present[i:]]
+    return next((r for r in runs if rows % math.prod(mesh.shape[a] for a in r) == 0), None)
+
+
 def context_attention(mesh, cfg: ModelConfig):
     """attend(q, k, v, window, rows) for `rljax.models.attention.fresh_attention`'s slot: rows in
     zig-zag order, split over `context` (and rows over the batch axes, heads over `tensor` where

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from rljax.models import ModelConfig
+from rljax.models.context_parallel import spread_rows
 from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
 from rljax.sampling import paged as PG
@@ -27,6 +28,7 @@ def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, cont
     from the params given, so every weight sync refreshes it."""
     spec = controls.static()
     params = sampler_params(params, controls.weight_dtype)
+    prompt_tokens_bt, prompt_mask_bt = spread_rows((prompt_tokens_bt, prompt_mask_bt))  # a context group's rows
     new_bucket = D.bucket_length(controls.max_new_tokens)
     if controls.scheduler == "continuous":
         b, p = prompt_tokens_bt.shape
