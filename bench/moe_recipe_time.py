@@ -99,6 +99,19 @@ class Variant:
             self.compiles += len(_COMPILES) - n  # a timed iteration that compiles is a bug
         self.it += 1
 
+    def flops(self) -> float | None:
+        """The fused iteration's FLOPs as XLA counts them in the lowered program (no compile)."""
+        from rljax.drivers.base import prompt_arrays
+
+        try:
+            prompts = prompt_arrays(next(iter(self.run.data.dataset)), self.run.trainer_layout)
+            cost = self.driver.iteration.lower(self.state, *prompts, jax.random.key(0)).cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            return float(cost["flops"])
+        except Exception as e:  # noqa: BLE001  (a count this jax cannot give is reported as missing)
+            print(f"{self.name}: no FLOP count ({type(e).__name__}: {e})")
+            return None
+
     def stages(self, reps: int) -> dict:
         """The rollout (prefill + decode, the routing record when the recipe replays, the verifier
         callback, the old/reference log-probs it needs) and the update compiled apart
@@ -153,20 +166,21 @@ def main(argv=None) -> None:
             for v in variants:
                 v.step()
         stages = {v.name: v.stages(args.stage_reps) for v in variants} if args.stages else {}
-    rows = {v.name: v.summary() | {"warmup_with_compile_s": compile_s[v.name], **stages.get(v.name, {})}
-            for v in variants}
+    rows = {v.name: v.summary() | {"warmup_with_compile_s": compile_s[v.name], "iteration_flops": v.flops(),
+                                   **stages.get(v.name, {})} for v in variants}
     base = rows.get("dense")
     head = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", cpu=cpu_model(),
                 cpus=os.cpu_count(), load_before=load_before[0], load_after=os.getloadavg()[0], commit=commit(),
                 jax=jax.__version__, pairs=args.pairs, overrides=args.override)
     print(json.dumps(head))
-    print("| variant | params (active) | wall s/iter | CPU s/iter | wall / dense | CPU / dense |"
+    print("| variant | params (active) | GFLOP/iter | wall s/iter | CPU s/iter | wall / dense | CPU / dense |"
           + (" sample s | update s |" if stages else ""))
     for name, r in rows.items():
         ratio = (f"{r['wall_median_s'] / base['wall_median_s']:.2f}x | {r['cpu_median_s'] / base['cpu_median_s']:.2f}x"
                  if base else "- | -")
         extra = f" {r['sample_s']:.3f} | {r['update_s']:.3f} |" if stages else ""
-        print(f"| {name} | {r['params_total']:,} ({r['params_active']:,}) | {r['wall_median_s']:.3f} | "
+        gflop = "-" if r["iteration_flops"] is None else f"{r['iteration_flops'] / 1e9:.2f}"
+        print(f"| {name} | {r['params_total']:,} ({r['params_active']:,}) | {gflop} | {r['wall_median_s']:.3f} | "
               f"{r['cpu_median_s']:.3f} | {ratio} |{extra}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "moe_recipe_time.json")
