@@ -14,7 +14,7 @@ path), and `moe-noreplay:<moe_impl>` (routing replay and the router loss off, to
 recipe replays) and `update` (`update_step` on the rollout batch), to find where the time goes.
 
     flock /tmp/rljax_heavy.lock timeout 1200 .venv/bin/python bench/moe_recipe_time.py \
-        [--pairs 20] [--stages] [--variants dense moe:auto moe:dense moe-noreplay:auto] [--out bench/results]
+        [--pairs 20] [--stages] [--layer] [--variants dense moe:auto moe:dense moe-noreplay:auto] [--out DIR]
 
 Writes bench/results/moe_recipe_time.json with the date, CPU model, load average, commit.
 """
@@ -142,6 +142,50 @@ class Variant:
                 "params_total": self.params_total, "params_active": self.params_active}
 
 
+def layer_times(reps: int = 9) -> dict:
+    """One MLP's forward and forward+backward at the recipe's shapes (D 128; 8 experts of width
+    128, top-2, against the dense job's SwiGLU of width 256: the same active width), at the
+    update's token count (64 prompts x 8 samples x 18 tokens) and a decode step's (512 rows):
+    `experts_apply` "blocks" (CPU's grouped path) and "dense" (the all-experts einsum), and the
+    dense SwiGLU; the three interleaved, median milliseconds."""
+    import jax.numpy as jnp
+
+    from rljax.models.experts import ExpertWeights, experts_apply
+    from rljax.models.layers import gated_activation
+
+    e, k, d, f = 8, 2, 128, 128
+    r = np.random.default_rng(0)
+    out = {}
+    for t in (9216, 512):
+        x = jnp.asarray(r.standard_normal((t, d)), jnp.float32)
+        ids = jnp.asarray(np.argsort(-r.standard_normal((t, e)), 1)[:, :k], jnp.int32)
+        gates = jnp.asarray(r.random((t, k)), jnp.float32)
+        w = ExpertWeights(*(jnp.asarray(r.standard_normal(s) * 0.05, jnp.float32) for s in
+                            ((e, d, f), (e, d, f), (e, f, d))))
+        dw = tuple(jnp.asarray(r.standard_normal(s) * 0.05, jnp.float32) for s in ((d, 2 * f), (d, 2 * f), (2 * f, d)))
+        fns = {}
+        for impl in ("blocks", "dense"):
+            loss = (lambda impl: lambda x, w, g, ids: jnp.sum(experts_apply(x, ids, g, w, impl=impl) ** 2))(impl)
+            fns[f"moe {impl}"] = (loss, (x, w, gates, ids), (0, 1, 2))  # ids an argument: no constant-folded sort
+        fns["swiglu 256"] = (lambda x, w: jnp.sum((gated_activation(x @ w[0], x @ w[1], "silu", jnp.float32)
+                                                   @ w[2]) ** 2), (x, dw), (0, 1))
+        progs = {}
+        for name, (loss, args, diff) in fns.items():
+            progs[f"{name} fwd"] = (jax.jit(loss), args)
+            progs[f"{name} fwd+bwd"] = (jax.jit(jax.grad(loss, argnums=diff)), args)
+        times = {name: [] for name in progs}
+        for fn, args in progs.values():
+            jax.block_until_ready(fn(*args))
+        for _ in range(reps):
+            for name, (fn, args) in progs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[name].append(time.perf_counter() - t0)
+        out[t] = {name: float(np.median(v)) * 1e3 for name, v in times.items()}
+        print(f"T={t} tokens: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in out[t].items()), flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=20, help="timed iterations of each variant, interleaved")
@@ -150,6 +194,7 @@ def main(argv=None) -> None:
     ap.add_argument("--stages", action="store_true", help="also time sampling and the update apart")
     ap.add_argument("--stage-reps", type=int, default=5)
     ap.add_argument("--override", action="append", default=[], help="key=value for every variant's recipe")
+    ap.add_argument("--layer", action="store_true", help="also time one MLP alone (`layer_times`)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
 
@@ -168,6 +213,7 @@ def main(argv=None) -> None:
         stages = {v.name: v.stages(args.stage_reps) for v in variants} if args.stages else {}
     rows = {v.name: v.summary() | {"warmup_with_compile_s": compile_s[v.name], "iteration_flops": v.flops(),
                                    **stages.get(v.name, {})} for v in variants}
+    layer = layer_times() if args.layer else {}
     base = rows.get("dense")
     head = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", cpu=cpu_model(),
                 cpus=os.cpu_count(), load_before=load_before[0], load_after=os.getloadavg()[0], commit=commit(),
@@ -185,7 +231,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "moe_recipe_time.json")
     with open(path, "w") as f:
-        json.dump(dict(header=head, rows=rows), f, indent=1)
+        json.dump(dict(header=head, rows=rows, layer_ms=layer), f, indent=1)
     print(f"wrote {path}")
 
 
