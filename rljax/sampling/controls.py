@@ -133,8 +133,8 @@ class SampleControls:
     kv_dtype: "model" (the KV cache in the compute dtype) or "fp8": keys and values stored as
       float8_e4m3fn with one f32 scale per (row, kv head, slot), quantised where written and
       dequantised where attention reads them (`rljax.models.fp8`): about half the cache bytes.
-      Every scheduler and KV layout (static, continuous slots, paged); not multi-turn or
-      interruptible sampling (a ConfigError there names the fix).
+      Every scheduler and KV layout (static, continuous slots, paged), multi-turn episodes and
+      interruptible sampling (a weight swap rebuilds the cache as FP8).
 
     record_routes: an MoE model's top-k expert ids of every prompt and completion token, per layer,
       come back in `SampleResult.prompt_routes` / `routes` (routing replay, docs/moe.md; every

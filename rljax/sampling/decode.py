@@ -257,6 +257,16 @@ def step_forward(cfg: ModelConfig, layer_params, tokens_b, positions_b, live_b, 
     return (logits_bv, {"layers": layers, "pos": kpos, "index": index + 1}, *routes)
 
 
+def stored_prompt_cache(cfg: ModelConfig, cache, spec: StaticControls):
+    """A prompt's prefilled cache as the sampler stores it: unchanged, or with `kv_dtype = "fp8"`
+    its keys and values quantised to float8_e4m3fn with per-token scales (`rljax.models.fp8`).
+    Every path that prefills a cache to decode from (static, multi-turn, interruptible's swap)
+    goes through it; the tokens fed afterwards are quantised where the cached forward writes them."""
+    if spec.kv_dtype != "fp8":
+        return cache
+    return dict(cache, layers=quantize_cache_layers(cache["layers"], key_cache_layout(cfg)))
+
+
 def prompt_forward(cfg: ModelConfig, params, prompt_bt, mask_bt, *, batch_invariant: bool = False,
                    record_routes: bool = False):
     """The prompts' forward pass: (a KV cache of P slots, the logits after the last real token
@@ -294,8 +304,7 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
         prompt = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant,
                                 record_routes=recording)
     cache, logits_bv, *prompt_routes = prompt
-    if spec.kv_dtype == "fp8":  # the prompt's keys and values stored as FP8 (`rljax.models.fp8`)
-        cache = dict(cache, layers=quantize_cache_layers(cache["layers"], key_cache_layout(cfg)))
+    cache = stored_prompt_cache(cfg, cache, spec)
 
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
     cache = pad_slots(cfg, cache, decode_widths(spec, new_bucket)[0])  # the first phase

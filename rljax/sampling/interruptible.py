@@ -43,6 +43,7 @@ from rljax.errors import ConfigError
 from rljax.models import ModelConfig, hidden_states, unstack_layers
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls, StaticControls
+from rljax.sampling.fp8 import sampler_params_jit
 
 NO_VERSION = -1  # version_bc where no token has been drawn
 
@@ -139,6 +140,8 @@ def _swap(cfg: ModelConfig, params, partial: PartialRollout) -> PartialRollout:
     recording = s.routes_bnlk is not None
     cache, _, *prompt_routes = D.prompt_forward(cfg, params, partial.prompt_tokens_pt, partial.prompt_mask_pt,
                                                 batch_invariant=spec.batch_invariant, record_routes=recording)
+    cache = D.stored_prompt_cache(cfg, cache, spec)  # FP8 (`kv_dtype`): quantised as the prefill's; the
+    # appended tokens' keys and values are quantised where the cached forward writes them
     repeat = lambda x: jnp.repeat(x, partial.num_samples, axis=0) if x.ndim else x  # noqa: E731
     cache = D.pad_slots(cfg, jax.tree.map(repeat, cache), partial.width)
     p = partial.prompt_tokens_pt.shape[1]
@@ -177,9 +180,6 @@ def start(cfg: ModelConfig, params, prompt_tokens_pt, prompt_mask_pt, key, contr
     Static scheduler only. Every function here takes params stacked or split per layer
     (`rljax.models.unstack_layers`); split them once per version, as `sample_with_updates` does,
     or each call copies the layers out of the stacked arrays again."""
-    if controls.kv_dtype != "model":  # a weight swap rebuilds the cache in the compute dtype
-        raise ConfigError("interruptible sampling keeps its KV cache in the compute dtype; set sampling.kv_dtype = "
-                          "\"model\"")
     spec = controls.static()
     new_bucket = D.bucket_length(controls.max_new_tokens)
     widths = D.decode_widths(spec, new_bucket, controls.max_new_tokens)
@@ -233,6 +233,15 @@ def finish(partial: PartialRollout) -> tuple[D.SampleResult, jax.Array]:
     return _finish_jit(partial)
 
 
+def _sampler_weights(cfg: ModelConfig, params, controls: SampleControls):
+    """A version's params as the segments take them: the sampler's FP8 copy where
+    `controls.weight_dtype` asks for one (`rljax.sampling.fp8`, taken at each swap as at each weight
+    sync), split per layer once per version (each jitted segment would copy them out again)."""
+    if controls.weight_dtype != "model":
+        params = sampler_params_jit(params, weight_dtype=controls.weight_dtype)
+    return _unstack_jit(params, cfg)
+
+
 def sample_with_updates(cfg: ModelConfig, prompt_tokens_pt, prompt_mask_pt, key, controls: SampleControls, *,
                         segment_steps: int, weights: Callable[[], tuple[Any, int]]
                         ) -> tuple[D.SampleResult, jax.Array, int]:
@@ -245,7 +254,7 @@ def sample_with_updates(cfg: ModelConfig, prompt_tokens_pt, prompt_mask_pt, key,
         raise ConfigError(f"sample_with_updates decodes with the static scheduler, got scheduler="
                           f"{controls.scheduler!r}: set sampling.scheduler='static'")
     params, version = weights()
-    params = _unstack_jit(params, cfg)  # once per version: each jitted segment would copy the layers out again
+    params = _sampler_weights(cfg, params, controls)
     partial = start(cfg, params, prompt_tokens_pt, prompt_mask_pt, key, controls, version=version)
     swaps = 0
     while True:
@@ -254,7 +263,7 @@ def sample_with_updates(cfg: ModelConfig, prompt_tokens_pt, prompt_mask_pt, key,
             break
         new_params, new_version = weights()
         if new_version > version:
-            params, version = _unstack_jit(new_params, cfg), new_version
+            params, version = _sampler_weights(cfg, new_params, controls), new_version
             partial = swap_weights(cfg, params, partial)
             swaps += 1
         partial = _advance_from(cfg, params, partial, step, segment_steps, version)

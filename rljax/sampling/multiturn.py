@@ -67,10 +67,10 @@ import numpy as np
 from jax.experimental import io_callback
 
 from rljax.envs.masks import ENV, MODEL, PAD
-from rljax.errors import ConfigError
 from rljax.models import ModelConfig, rope_table, unstack_layers
 from rljax.sampling import decode as D
 from rljax.sampling.controls import SampleControls, StaticControls
+from rljax.sampling.fp8 import sampler_params, sampler_params_jit
 from rljax.sampling.slots import empty_routes
 
 # Finish reasons of an episode, one int32 per row.
@@ -268,6 +268,7 @@ def start(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, scala
     cache, logits_bv, *prompt_routes = D.prompt_forward(cfg, params, prompt_tokens_bt, mask_bt,
                                                         batch_invariant=spec.batch_invariant,
                                                         record_routes=D.records_routes(cfg, spec))
+    cache = D.stored_prompt_cache(cfg, cache, spec)  # FP8 (`kv_dtype`): as the static sampler stores it
     cache = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0) if x.ndim else x, cache)
     cache = D.pad_slots(cfg, cache, budget)
     window = max([len(q) for q in spec.stop_sequences], default=1)
@@ -310,12 +311,6 @@ def finish(state: EpisodeState) -> Episodes:
 # ----------------------------------------------------------------------------- driver (a): one program
 
 
-def _model_kv(controls: SampleControls):
-    if controls.kv_dtype != "model":
-        raise ConfigError("multi-turn sampling keeps its KV cache in the compute dtype; set sampling.kv_dtype = "
-                          "\"model\"")
-
-
 def sample_episodes(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, index_b, key, *,
                     controls: SampleControls, host: Any, budget: int, max_turns: int,
                     max_observation_tokens: int) -> Episodes:
@@ -323,10 +318,10 @@ def sample_episodes(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, 
     `io_callback` from inside the decode loop. ``index_b`` [B] int32 names each prompt's example
     in the host's table; ``controls`` must stop on the format's tool-call end
     (`episode_controls`)."""
-    _model_kv(controls)
     spec = controls.static()
     n = controls.num_samples
     rows = prompt_tokens_bt.shape[0] * n
+    params = sampler_params(params, controls.weight_dtype)  # FP8 sampler weights (`rljax.sampling.fp8`)
     layer_params = unstack_layers(params, cfg)
     episode_id = io_callback(host.reset, jax.ShapeDtypeStruct((), jnp.int32), jnp.repeat(index_b, n))
     shapes = env_output_shapes(rows, max_observation_tokens)
@@ -380,9 +375,10 @@ def sample_episodes_host_loop(cfg: ModelConfig, params, prompt_tokens_bt, prompt
                               max_observation_tokens: int) -> Episodes:
     """`sample_episodes` as jitted pieces and a host loop: decode until some row needs the
     environment, step it on the host, apply, repeat. Same episodes for the same key."""
-    _model_kv(controls)
     spec = controls.static()
     n = controls.num_samples
+    if controls.weight_dtype != "model":  # FP8 sampler weights, as `sample_episodes` takes them
+        params = sampler_params_jit(params, weight_dtype=controls.weight_dtype)
     params = unstack_layers(params, cfg)
     episode_id = host.reset(np.repeat(np.asarray(index_b), n))
     state = _start_jit(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, controls.scalars(), episode_id,

@@ -1,7 +1,8 @@
 """The FP8 KV cache (`sampling.kv_dtype = "fp8"`, `rljax.models.fp8`) in the continuous scheduler's
 two KV layouts, `rljax.sampling.continuous` (slots) and `rljax.sampling.paged` (pages): the same
 tokens and log-probs as the static sampler's FP8 cache, the FP8 gap to the f32 trainer (measured),
-the cache bytes, and one ConfigError line where a sampler keeps its cache in the compute dtype.
+the cache bytes, and the KV budget in bytes. (Multi-turn and interruptible sampling with an FP8
+cache: tests/sampling/test_multiturn.py and tests/sampling/test_interruptible.py.)
 (The static FP8 cache itself: tests/models/test_fp8_kv.py and tests/sampling/test_fp8.py.)"""
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import pytest
 import rljax.models as M
 from rljax.errors import ConfigError
 from rljax.sampling import SampleControls, generate
-from rljax.sampling import interruptible as I
 from rljax.sampling import paged as PG
 from rljax.sampling.continuous import plan_layout
 from rljax.sampling.slots import empty_kv_layers, empty_pool
@@ -96,17 +96,6 @@ def test_fp8_cache_bytes_halve_in_every_layout():
     pages = lambda kv_dtype: lambda: PG._empty_pages(cfg, layout, 2, 16, kv_dtype)[0]
     assert jax.eval_shape(pages("fp8"))[0]["v"].dtype == jnp.float8_e4m3fn
     assert nbytes(pages("fp8")) / nbytes(pages("model")) == pytest.approx(want)
-
-
-def test_samplers_without_an_fp8_cache_say_so_in_one_line():
-    """Every scheduler and KV layout takes kv_dtype = "fp8" (no ConfigError); interruptible
-    sampling, which rebuilds its cache at a weight swap, refuses it with one line naming the fix.
-    Catches the old static-only check left in `SampleControls`."""
-    for changes in [{}, *LAYOUTS.values()]:
-        CONTROLS.replace(**changes)
-    cfg = M.preset("qwen2-test")
-    with pytest.raises(ConfigError, match='kv_dtype = "model"'):
-        I.start(cfg, None, np.zeros((1, 4), np.int32), np.ones((1, 4), bool), jax.random.key(0), CONTROLS, version=0)
 
 
 def test_kv_cache_bytes_counts_tokens_as_the_cache_stores_them(runs):

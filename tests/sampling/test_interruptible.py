@@ -12,6 +12,7 @@ import rljax.models as M
 from rljax.sampling import SampleControls, sample
 from rljax.sampling import decode as D
 from rljax.sampling import interruptible as I
+from rljax.sampling.fp8 import sampler_params
 
 CFG = M.preset("qwen2-test")
 P = 16  # prompt bucket
@@ -154,3 +155,43 @@ def test_segments_reuse_one_compile_per_cache_width(setup):
     _run(setup, [(params_a, 0)] * 2 + [(params_b, 4)], controls)
     _run(setup, [(params_a, 0)] * 2 + [(params_a, 0), (params_b, 1)], controls)  # swap at step 11
     assert [f._cache_size() for f in jits] == after
+
+
+def test_an_fp8_cache_survives_a_swap(setup):
+    """With `kv_dtype = "fp8"`, a swap to the same params at step 6 (version 1) rebuilds the FP8
+    cache decoding wrote (the prompt quantised as the prefill's, the generated tokens where the
+    cached forward writes them): the tokens are those of the run without a swap and the log-probs
+    within 1e-5 (measured 2.4e-6), while the FP8 cache itself moves them well off the model-dtype
+    run's (by up to 3.3 nats here). Fails if the swap rebuilds the cache in the compute dtype
+    (decoding then goes on without FP8), or if the start refuses FP8 or ignores it. (Without a
+    swap this is `sample`'s static FP8 path: measured bitwise equal.)"""
+    params_a, *_ = setup
+    controls = CONTROLS.replace(kv_dtype="fp8")
+    plain, _, swaps = _run(setup, [(params_a, 0)], controls)
+    model_dtype, _, _ = _run(setup, [(params_a, 0)])
+    assert swaps == 0
+    both = np.asarray(plain.mask) & np.asarray(model_dtype.mask)
+    assert np.abs(np.asarray(plain.logprobs) - np.asarray(model_dtype.logprobs))[both].max() > 0.01
+    swapped, version_bc, swaps = _run(setup, [(params_a, 0)] * 2 + [(params_a, 1)], controls)
+    assert swaps == 1 and (np.asarray(version_bc) == 1).any()
+    np.testing.assert_array_equal(np.asarray(swapped.tokens), np.asarray(plain.tokens))
+    drawn = np.asarray(plain.mask)
+    np.testing.assert_allclose(np.asarray(swapped.logprobs)[drawn], np.asarray(plain.logprobs)[drawn], atol=1e-5,
+                               rtol=0)
+
+
+def test_fp8_weights_are_taken_at_each_version(setup):
+    """`weight_dtype = "fp8"` with a swap from params A to B at step 6: bitwise the rollout of
+    handing in A's and then B's FP8 sampler copy (`rljax.sampling.fp8.sampler_params`) by hand
+    with the model dtype, and not the rollout of A and B as they are. Fails if the driver ignores
+    `weight_dtype`, or takes the copy only once, at the first version (the tokens after the swap
+    then come from A's copy or from B unquantised)."""
+    params_a, params_b, *_ = setup
+    copy = lambda p: sampler_params(p, "fp8")  # noqa: E731
+    swapped, _, swaps = _run(setup, [(params_a, 0)] * 2 + [(params_b, 1)], CONTROLS.replace(weight_dtype="fp8"))
+    by_hand, _, _ = _run(setup, [(copy(params_a), 0)] * 2 + [(copy(params_b), 1)])
+    as_they_are, _, _ = _run(setup, [(params_a, 0)] * 2 + [(params_b, 1)])
+    assert swaps == 1
+    for name in ("tokens", "logprobs", "mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(swapped, name)), np.asarray(getattr(by_hand, name)), name)
+    assert not np.array_equal(np.asarray(swapped.logprobs), np.asarray(as_they_are.logprobs))
