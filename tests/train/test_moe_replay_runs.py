@@ -16,8 +16,8 @@ token-layer (their `update/logp_diff_max` was 0: these samplers ran the trainer'
 those modes shift the record's expert ids as it leaves the rollout instead (`_shift_records`).
 
 The held-out evaluations (before RL and after the last iteration) are stubbed: they read no
-record and update nothing, and their greedy sampling program was a third of each run's compile
-time (the episode mode's most)."""
+record and update nothing, and their greedy sampling programs were about a fifth of each run's
+compile time."""
 
 from __future__ import annotations
 
