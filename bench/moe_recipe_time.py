@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -37,18 +36,11 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_moe import cpu_model  # noqa: E402  (bench/ is the script's directory)
 
 _COMPILES: list[float] = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda name, secs, **kw: _COMPILES.append(secs) if name == "/jax/core/compile/backend_compile_duration" else None)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def commit() -> str:

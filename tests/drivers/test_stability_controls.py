@@ -14,11 +14,12 @@ from rljax.objectives import AlgorithmConfig
                           cov_ratio=0.2)),
     ("async", dict(off_policy="seq_reject", off_policy_mean="arithmetic")),
     ("async", dict(off_policy="mask_kl", off_policy_low=0.9, off_policy_high=1.1)),
-    # the grid's other cells: icepop and seq_reject (geometric) in the other mode, and MIS (TIS,
-    # which shares its log-weights, runs one_step_off in test_overlap.py). mask_kl runs async only:
-    # its KL term reads the same batch field in both modes. Packing, LoRA: tests/update/test_controls.py
+    # the grid's other cells: icepop, seq_reject (geometric) and mask_kl in the other mode, and MIS
+    # (TIS, which shares its log-weights, runs one_step_off in test_overlap.py). Packing, LoRA:
+    # tests/update/test_controls.py
     ("async", dict(off_policy="icepop", off_policy_low=0.9, off_policy_high=1.1)),
     ("one_step_off", dict(off_policy="seq_reject", off_policy_low=0.99, off_policy_high=1.01)),
+    ("one_step_off", dict(off_policy="mask_kl", off_policy_low=0.9, off_policy_high=1.1)),
     ("async", dict(off_policy="mis", off_policy_cap=1.1)),
 ])
 def test_corrections_and_controls_run_in_the_overlapped_modes(layouts, params, mode, kw):  # noqa: F811
