@@ -15,7 +15,7 @@ def _recipes() -> list[str]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="run RL training (no arguments: the tiny default job, CPU, about 5 min)",
+    p = sub.add_parser("train", help="run RL training (no arguments: the tiny default job, CPU, 5-8 min)",
                        description="Train with a recipe. Override any setting as key=value, "
                                    "e.g. rl.iterations=20 algorithm.algorithm=dapo.",
                        epilog=f"packaged recipes (--config NAME): {', '.join(_recipes())}")

@@ -284,8 +284,8 @@ def test_the_stderr_filter_drops_xla_notices_and_passes_everything_else():
 
 def test_rljax_train_help_lists_the_packaged_recipes_and_the_default_jobs_time(capsys):
     """`rljax train --help` names every packaged recipe, and `rljax --help` gives the default job's
-    time as the README does (about 5 minutes). Catches: a recipe added without the help knowing,
-    and the old "~10 min"."""
+    time as the README does (5-8 minutes on a 2-core CPU). Catches: a recipe added without the help
+    knowing, and an old figure ("~10 min", "about 5 min") left in one of the two."""
     from rljax.train.config import CONFIG_DIR
 
     with pytest.raises(SystemExit):
@@ -295,8 +295,8 @@ def test_rljax_train_help_lists_the_packaged_recipes_and_the_default_jobs_time(c
         assert recipe.stem in out
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "about 5 min" in " ".join(capsys.readouterr().out.split())
-    assert "about 5 minutes after the install" in (ROOT / "README.md").read_text()
+    assert "CPU, 5-8 min" in " ".join(capsys.readouterr().out.split())
+    assert "5-8 minutes on a 2-core CPU after the install" in (ROOT / "README.md").read_text()
 
 
 def test_sample_names_the_fix_for_a_directory_without_a_tokenizer(run, tmp_path, capsys):
