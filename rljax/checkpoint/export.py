@@ -66,8 +66,14 @@ def load_params(directory: str | os.PathLike, step: int | str | None = None, *,
     return merged_model(cfg, params, adapters, lora)
 
 
-def _write(out_dir: str | os.PathLike, write) -> None:
-    """`write(local_dir)`, then an upload when `out_dir` is a URI (the writers need local files)."""
+def _write(out_dir: str | os.PathLike, save, tokenizer: Tokenizer | None) -> None:
+    """`save(local_dir)` and the tokenizer's files beside it, then an upload when `out_dir` is a
+    URI (the writers need local files)."""
+    def write(path):
+        save(path)
+        if tokenizer is not None:
+            tokenizer.save(path)
+
     if not is_remote(out_dir):
         write(os.fspath(out_dir))
         return
@@ -85,13 +91,7 @@ def export_hf(directory: str | os.PathLike, out_dir: str | os.PathLike, step: in
     are written beside the weights, so the directory loads on its own.
     """
     cfg, params = load_params(directory, step)
-
-    def write(path):
-        save_hf(cfg, params, path)
-        if tokenizer is not None:
-            tokenizer.save(path)
-
-    _write(out_dir, write)
+    _write(out_dir, lambda path: save_hf(cfg, params, path), tokenizer)
     return cfg
 
 
@@ -109,13 +109,7 @@ def export_vl(directory: str | os.PathLike, out_dir: str | os.PathLike, step: in
         raise CheckpointError(f"checkpoint {directory} holds no vision tower (params['visual']); it is a text "
                               "run's: export it as one")
     vl_cfg = vl_cfg.replace(text=text_cfg)
-
-    def write(path):
-        save_vl(vl_cfg, params, path)
-        if tokenizer is not None:
-            tokenizer.save(path)
-
-    _write(out_dir, write)
+    _write(out_dir, lambda path: save_vl(vl_cfg, params, path), tokenizer)
     return vl_cfg
 
 
@@ -137,12 +131,11 @@ def export_peft(directory: str | os.PathLike, out_dir: str | os.PathLike, step: 
         raise CheckpointError(f"{directory} holds no LoRA adapters (the run trained every weight); "
                               "export it without --adapter")
 
-    def write(path):
+    def save(path):
         save_peft(cfg, adapters, lora, path, base_model=BASE_SUBDIR)
         save_hf(cfg, params, os.path.join(path, BASE_SUBDIR))
         if tokenizer is not None:
-            tokenizer.save(path)
             tokenizer.save(os.path.join(path, BASE_SUBDIR))
 
-    _write(out_dir, write)
+    _write(out_dir, save, tokenizer)
     return lora
