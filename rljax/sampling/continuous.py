@@ -212,7 +212,7 @@ def _decode_step(cfg: ModelConfig, layer_params, state: SlotState, row_keys_r, m
 
 
 def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
-                      spec: StaticControls, layout: SlotLayout) -> SampleResult:
+                      spec: StaticControls, layout: SlotLayout, row_offset=0) -> SampleResult:
     """Traceable continuous-batching sampler: B left-padded prompts -> B * n completions, rows
     prompt-major (row i * n + j is sample j of prompt i), as `rljax.sampling.sample` returns.
 
@@ -250,7 +250,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     routes = empty_routes(cfg, spec, rows_total, new_bucket)
     state = empty_slots(SlotState, spec, s_count, rows_total, new_bucket, cache=cache,
                         next_row=jnp.zeros((), jnp.int32), pool=pool, routes_rnlk=routes)
-    keys_r = row_keys(key, rows_total)
+    keys_r = row_keys(key, rows_total, row_offset)  # row_offset: this device's first row (row_shards)
     rope_cos_sin = rope_table(cfg, slot_len)
     num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
     prompts_needed = (num_rows + n - 1) // n

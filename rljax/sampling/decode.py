@@ -159,9 +159,12 @@ class DecodeState:
     prompt_routes_bplk: Any = None  # the prefill's, per prompt (not per sample)
 
 
-def row_keys(key, rows: int):
-    """Each row's own key, fold_in(key, row) (see the module docstring)."""
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
+def row_keys(key, rows: int, offset=0):
+    """Each row's own key, fold_in(key, row) (see the module docstring), for rows [offset,
+    offset + rows): a device that decodes a share of the rows (`rljax.sampling.row_shards`) gives
+    its first row's index, so a row's key does not depend on the device count."""
+    rows_r = offset + jnp.arange(rows, dtype=jnp.int32)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows_r)
 
 
 def draw(logits_bv, row_keys_b, row_b, step_b, scalars, spec: StaticControls):

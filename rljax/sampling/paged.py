@@ -242,7 +242,7 @@ def _empty_pages(cfg: ModelConfig, layout: SlotLayout, groups: int, prompt_len: 
 
 
 def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
-                 spec: StaticControls, layout: SlotLayout) -> SampleResult:
+                 spec: StaticControls, layout: SlotLayout, row_offset=0) -> SampleResult:
     """`rljax.sampling.continuous.sample_continuous` over the paged layout (same arguments, same
     result, plus the page counters). Every prompt is prefilled up front into the prompt pool; the
     pool, the token draws and the row outputs are the slot layout's (`rljax.sampling.slots`)."""
@@ -263,7 +263,7 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     routes = empty_routes(cfg, spec, rows_total, new_bucket)
     state = empty_slots(PagedState, spec, s_count, rows_total, new_bucket, kv=kv, pages=pt,
                         pending_r=jnp.arange(rows_total) < num_rows, pool=pool, routes_rnlk=routes)
-    keys_r = row_keys(key, rows_total)
+    keys_r = row_keys(key, rows_total, row_offset)  # row_offset: this device's first row (row_shards)
     rope_cos_sin = rope_table(cfg, prompt_len + new_bucket)
 
     def body(st: PagedState) -> PagedState:

@@ -15,9 +15,9 @@ from rljax.models import ModelConfig
 from rljax.models.context_parallel import spread_rows
 from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
-from rljax.sampling import paged as PG
 from rljax.sampling.controls import SampleControls
 from rljax.sampling.fp8 import sampler_params
+from rljax.sampling.row_shards import sample_pools
 
 
 def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, controls: SampleControls
@@ -30,12 +30,9 @@ def sample(cfg: ModelConfig, params, prompt_tokens_bt, prompt_mask_bt, key, cont
     params = sampler_params(params, controls.weight_dtype)
     prompt_tokens_bt, prompt_mask_bt = spread_rows((prompt_tokens_bt, prompt_mask_bt))  # a context group's rows
     new_bucket = D.bucket_length(controls.max_new_tokens)
-    if controls.scheduler == "continuous":
-        b, p = prompt_tokens_bt.shape
-        layout = C.plan_layout(controls, b, p, cfg)
-        run = PG.sample_paged if layout.kv_layout == "paged" else C.sample_continuous
-        result = run(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, jnp.int32(controls.max_new_tokens),
-                     controls.scalars(), b * controls.num_samples, spec=spec, layout=layout)
+    if controls.scheduler == "continuous":  # one slot pool per device of the row axes (`row_shards`)
+        b = prompt_tokens_bt.shape[0]
+        result = sample_pools(cfg, params, prompt_tokens_bt, prompt_mask_bt, key, controls)
         return C.trim(result, b * controls.num_samples, controls.max_new_tokens)
     result = D.sample_static(cfg, params, prompt_tokens_bt, prompt_mask_bt.astype(bool), key,
                              jnp.int32(controls.max_new_tokens), controls.scalars(), None, spec=spec,
