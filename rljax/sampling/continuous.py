@@ -73,6 +73,7 @@ from rljax.sampling.decode import SampleResult, bucket_length, row_keys, step_fo
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_kv_layers, empty_pool, empty_routes,
                                   empty_slots, kv_bytes_per_token, prefill_into_pool, record_slot_routes, record_step,
                                   routes_result, slot_result)
+from rljax.sampling.slots import slot_rope
 
 
 @flax.struct.dataclass
@@ -197,12 +198,14 @@ def _admit(cfg: ModelConfig, state: SlotState, row_keys_r, num_rows, max_new, sc
 
 
 def _decode_step(cfg: ModelConfig, layer_params, state: SlotState, row_keys_r, max_new, scalars, rope_cos_sin,
-                 *, spec: StaticControls) -> SlotState:
-    """One forward step over every slot; running slots draw and record their next token."""
+                 *, spec: StaticControls, num_samples: int = 1) -> SlotState:
+    """One forward step over every slot; running slots draw and record their next token
+    (per-prompt rotary tables: each slot's prompt's, `slot_rope`)."""
     live_s = state.live_s
     recording = state.routes_rnlk is not None
     logits_sv, cache, *routes = step_forward(cfg, layer_params, state.last_token_s, state.next_pos_s, live_s,
-                                             state.cache, rope_cos_sin, batch_invariant=spec.batch_invariant,
+                                             state.cache, slot_rope(rope_cos_sin, state.row_s, num_samples),
+                                             batch_invariant=spec.batch_invariant,
                                              record_routes=recording)
     cache = dict(cache, index=jnp.where(live_s, cache["index"], state.cache["index"]))  # idle slots stay put
     if recording:  # a running slot fed its row's token step - 1
@@ -212,6 +215,7 @@ def _decode_step(cfg: ModelConfig, layer_params, state: SlotState, row_keys_r, m
 
 
 def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
+                      prompt=None, prompt_rope=None,
                       spec: StaticControls, layout: SlotLayout, row_offset=0) -> SampleResult:
     """Traceable continuous-batching sampler: B left-padded prompts -> B * n completions, rows
     prompt-major (row i * n + j is sample j of prompt i), as `rljax.sampling.sample` returns.
@@ -222,6 +226,9 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     `layout.new_bucket` columns; the callers keep the first max_new_tokens.
     This is the slot layout; `layout.kv_layout == "paged"` runs the same loop over a paged cache,
     `rljax.sampling.paged.sample_paged` (the callers pick: neither module imports the other).
+    Image prompts (`rljax.sampling.vision`): `prompt` is the B prompts' (cache, last logits) from
+    the spliced prefill, which fills the pool up front (no in-loop prefill), and `prompt_rope`
+    their M-RoPE tables [B, P + N, H]; a slot decodes with its prompt's (`slot_rope`).
     """
     if layout.kv_layout != "slots":
         raise ValueError(f"sample_continuous decodes the slot layout, got kv_layout={layout.kv_layout!r}; "
@@ -231,7 +238,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     b, prompt_len = prompt_bp.shape
     n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket
     rows_total = b * n
-    batch = layout.prefill_batch
+    batch = 0 if prompt is not None else layout.prefill_batch
     if batch and b % batch:  # whole prefill batches: pad with one-token prompts that are never admitted
         extra = batch - b % batch
         prompt_bp = jnp.pad(prompt_bp, ((0, extra), (0, 0)))
@@ -242,7 +249,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     pool = empty_pool(cfg, entries, prompt_len, spec.kv_dtype)
     if not batch:
         pool = prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, num_prompts,
-                                  batch_invariant=spec.batch_invariant)
+                                  batch_invariant=spec.batch_invariant, prompt=prompt)
     slot_len = prompt_len + new_bucket
     cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
     cache["layers"] = empty_kv_layers(cfg, cache["layers"], spec.kv_dtype)  # FP8: the model's forward
@@ -252,6 +259,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
                         next_row=jnp.zeros((), jnp.int32), pool=pool, routes_rnlk=routes)
     keys_r = row_keys(key, rows_total, row_offset)  # row_offset: this device's first row (row_shards)
     rope_cos_sin = rope_table(cfg, slot_len)
+    rope_cos_sin = rope_cos_sin if prompt_rope is None else prompt_rope
     num_rows = jnp.minimum(jnp.asarray(num_rows, jnp.int32), rows_total)
     prompts_needed = (num_rows + n - 1) // n
 
@@ -271,7 +279,8 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
         # Admission runs every step, with its scatters dropped when no slot is free: its cost is
         # `refill` prompt copies, and skipping it with a cond would pass the whole cache through.
         st = _admit(cfg, st, keys_r, num_rows, max_new, scalars, spec=spec, layout=layout)
-        return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec)
+        return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec,
+                            num_samples=n)
 
     drain = layout.drain_slots
     if drain:
@@ -282,7 +291,8 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
         main_steps = state.decode_steps
         state = jax.lax.while_loop(
             lambda st: jnp.any(st.live_s),
-            lambda st: _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec),
+            lambda st: _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec,
+                                    num_samples=n),
             _keep_slots(state, drain))
         slot_steps += (state.decode_steps - main_steps) * drain
     result = slot_result(state, s_count, slot_steps)

@@ -41,6 +41,7 @@ Rows are prompt-major: row i * n + j is sample j of prompt i.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -248,12 +249,14 @@ def step_forward(cfg: ModelConfig, layer_params, tokens_b, positions_b, live_b, 
         return logits_b1v[:, 0], cache
     index = cache["index"]
     per_row = jnp.ndim(index) == 1
-    rows = (tokens_b, positions_b, live_b, cache["layers"], cache["pos"]) + ((index,) if per_row else ())
+    # Per-row rotary tables [B, W, H] (image prompts' M-RoPE) go with their rows; a 1D table is shared.
+    row_rope = rope_cos_sin if rope_cos_sin is not None and rope_cos_sin[0].ndim == 3 else None
+    rows = (tokens_b, positions_b, live_b, cache["layers"], cache["pos"], row_rope) + ((index,) if per_row else ())
 
-    def one(tok, pos, live, layers, kpos, *row_index):
+    def one(tok, pos, live, layers, kpos, rope, *row_index):
         row_cache = {"layers": layers, "pos": kpos, "index": row_index[0] if per_row else index}
-        out = step_forward(cfg, layer_params, tok, pos, live, row_cache, rope_cos_sin, batch_invariant=False,
-                           record_routes=record_routes)
+        out = step_forward(cfg, layer_params, tok, pos, live, row_cache, rope_cos_sin if rope is None else rope,
+                           batch_invariant=False, record_routes=record_routes)
         return (out[0], out[1]["layers"], out[1]["pos"]) + out[2:]
 
     logits_bv, layers, kpos, *routes = one_row_at_a_time(one, *rows)
@@ -421,11 +424,19 @@ def decode_phases(cfg: ModelConfig, params, state: DecodeState, *, spec: StaticC
 
 
 def sample_static(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars, rows, *,
-                  spec: StaticControls, num_samples: int, new_bucket: int) -> SampleResult:
+                  spec: StaticControls, num_samples: int, new_bucket: int, prompt=None,
+                  prompt_rope=None) -> SampleResult:
     """The static scheduler as one traceable function: prefill, every decode phase and the result
     at the bucket's width (`max_new` and the number of real `rows` are traced, so one compile
-    serves a batch bucket and a length bucket; trim with `rljax.sampling.continuous.trim`)."""
+    serves a batch bucket and a length bucket; trim with `rljax.sampling.continuous.trim`).
+    `prompt` (the prompts' (cache, last logits), see `prefill`) and `prompt_rope` (per-prompt
+    rotary tables [B, P + new_bucket, H] by mask position, repeated here for the n samples) are
+    the image prompts' hooks (`rljax.sampling.vision`); None for text."""
     params = unstack_layers(params, cfg)  # once, for the prefill and every decode phase
     state = prefill(cfg, params, prompt_bt, mask_bt, key, max_new, scalars, spec=spec, num_samples=num_samples,
-                    new_bucket=new_bucket, rows=rows)
-    return to_result(decode_phases(cfg, params, state, spec=spec, new_bucket=new_bucket), width=new_bucket)
+                    new_bucket=new_bucket, rows=rows, prompt=prompt)
+    step = decode
+    if prompt_rope is not None:
+        step = functools.partial(decode, rope_cos_sin=tuple(jnp.repeat(t, num_samples, axis=0) for t in prompt_rope))
+    return to_result(decode_phases(cfg, params, state, spec=spec, new_bucket=new_bucket, decode=step),
+                     width=new_bucket)

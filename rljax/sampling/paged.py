@@ -69,6 +69,7 @@ from rljax.sampling.paged_attention import gather_forward, kernel_forward, use_p
 from rljax.sampling.paged_table import PageTable, pop_pages, release_pages
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_routes, empty_slots,
                                   prefill_into_pool, record_slot_routes, record_step, routes_result, slot_result)
+from rljax.sampling.slots import slot_rope
 
 __all__ = ["PagedState", "PageTable", "gather_forward", "kernel_forward", "sample_paged", "use_pallas_kernel"]
 
@@ -202,7 +203,8 @@ def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_
     page = layout.page_size
     state = _grow(state, shared_pages_g, page)
     pt, live_s = state.pages, state.live_s
-    args = (cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.kv, pt, rope_cos_sin)
+    rope = slot_rope(rope_cos_sin, state.row_s, layout.num_samples)  # image prompts: each slot's prompt's tables
+    args = (cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.kv, pt, rope)
     if use_pallas_kernel(cfg, spec) and state.routes_rnlk is None:  # the kernel's forward records no routes
         logits_sv, kv = kernel_forward(*args, page_size=page, num_pages=layout.num_pages)
     else:
@@ -242,17 +244,19 @@ def _empty_pages(cfg: ModelConfig, layout: SlotLayout, groups: int, prompt_len: 
 
 
 def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, scalars, num_rows, *,
+                 prompt=None, prompt_rope=None,
                  spec: StaticControls, layout: SlotLayout, row_offset=0) -> SampleResult:
     """`rljax.sampling.continuous.sample_continuous` over the paged layout (same arguments, same
     result, plus the page counters). Every prompt is prefilled up front into the prompt pool; the
-    pool, the token draws and the row outputs are the slot layout's (`rljax.sampling.slots`)."""
+    pool, the token draws and the row outputs are the slot layout's (`rljax.sampling.slots`); image
+    prompts' `prompt` and `prompt_rope` as there."""
     layer_params = unstack_layers(params, cfg)
     mask_bp = mask_bp.astype(bool)
     b, prompt_len = prompt_bp.shape
     n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket
     rows_total = b * n
     pool = prefill_into_pool(cfg, layer_params, empty_pool(cfg, b, prompt_len, spec.kv_dtype), prompt_bp, mask_bp, b,
-                             batch_invariant=spec.batch_invariant)
+                             batch_invariant=spec.batch_invariant, prompt=prompt)
     # Pool slot of each prompt's i-th real token (the pages store real tokens only, from position 0).
     pos_gp = pool.pos_gp
     src_gp = jnp.zeros_like(pos_gp).at[jnp.arange(b)[:, None], jnp.where(pos_gp >= 0, pos_gp, prompt_len)].set(
@@ -265,6 +269,7 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
                         pending_r=jnp.arange(rows_total) < num_rows, pool=pool, routes_rnlk=routes)
     keys_r = row_keys(key, rows_total, row_offset)  # row_offset: this device's first row (row_shards)
     rope_cos_sin = rope_table(cfg, prompt_len + new_bucket)
+    rope_cos_sin = rope_cos_sin if prompt_rope is None else prompt_rope
 
     def body(st: PagedState) -> PagedState:
         st = _admit(cfg, st, keys_r, max_new, scalars, src_gp, shared_pages_g, spec=spec, layout=layout)

@@ -83,12 +83,16 @@ def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int, kv_dtype: str = 
 
 
 def prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mask_bp, batch: int, *,
-                      batch_invariant: bool) -> PromptPool:
-    """Prefills prompts [prefilled, prefilled + batch) into their ring entries."""
+                      batch_invariant: bool, prompt=None) -> PromptPool:
+    """Prefills prompts [prefilled, prefilled + batch) into their ring entries. `prompt`, when
+    given, is the caller's (cache, last logits) of exactly these prompts (image prompts: the
+    spliced prefill of `rljax.sampling.vision`, filled all up front) in place of `prompt_forward`."""
     start = pool.prefilled
     tokens = jax.lax.dynamic_slice_in_dim(prompt_bp, start, batch)
     mask = jax.lax.dynamic_slice_in_dim(mask_bp, start, batch)
-    cache, logits_bv = prompt_forward(cfg, params, tokens, mask, batch_invariant=batch_invariant)
+    if prompt is None:
+        prompt = prompt_forward(cfg, params, tokens, mask, batch_invariant=batch_invariant)
+    cache, logits_bv = prompt[:2]
     if is_fp8_cache(pool.layers[0]):  # quantised after the prefill, as `rljax.sampling.decode.prefill` does
         cache = dict(cache, layers=quantize_cache_layers(cache["layers"], key_cache_layout(cfg)))
     entry = start % pool.pos_gp.shape[0]
@@ -97,6 +101,18 @@ def prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mas
     return pool.replace(layers=layers, pos_gp=put(pool.pos_gp, cache["pos"]), logits_gv=put(pool.logits_gv, logits_bv),
                         next_pos_g=put(pool.next_pos_g, jnp.sum(mask, axis=1, dtype=jnp.int32)),
                         prefilled=start + batch)
+
+
+def slot_rope(rope_cos_sin, row_s, num_samples: int):
+    """The decode step's rotary table for the slots: a shared 1D table [W, H] as it is, or, for
+    per-prompt tables [B, W, H] (image prompts' M-RoPE, `rljax.models.mrope.mrope_table`, whose
+    text continuation carries each prompt's delta), the table of each slot's prompt, row // n
+    (idle slots: prompt 0, never read). A slot thus rotates its row's tokens as the static
+    sampler's row does, whoever occupied it before."""
+    if rope_cos_sin[0].ndim != 3:
+        return rope_cos_sin
+    prompt_s = jnp.clip(row_s, 0, None) // num_samples
+    return tuple(jnp.take(t_bwh, prompt_s, axis=0) for t_bwh in rope_cos_sin)
 
 
 def empty_kv_layers(cfg: ModelConfig, layers, kv_dtype: str):

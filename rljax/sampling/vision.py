@@ -1,15 +1,18 @@
-"""Sampling from image prompts: the tower once per prompt, then the static decode loop.
+"""Sampling from image prompts: the tower once per prompt, then any scheduler's decode loop.
 
     image_nd = vision_tower(the B prompts' patches)          once per prompt, never per sample
-    cache    = prefill(prompts, embeddings spliced, M-RoPE)  B rows
-    cache    = repeat(cache, n)                              the n samples share the prefill
-    decode   = `rljax.sampling.decode`'s loop, rotated by position + delta per row
+    prompt   = prefill(prompts, embeddings spliced, M-RoPE)  B rows: (cache, last logits)
+    decode   = the scheduler's loop on `prompt`, each row rotated by its prompt's table
+               (text positions p + delta after the images)
 
-It is `rljax.sampling.decode.sample_static` with two inputs swapped: the prompt pass (the
-spliced embeddings and the per-row M-RoPE tables, `rljax.models.vlm`) and the decode loop's
-rotary table (each row's text continuation after its images). Decode steps embed generated
-tokens as text. Log-probs are the trainer's function on the decode logits, as for text; the
-trainer scores the same tokens with `rljax.models.vlm.vl_token_logprobs`.
+The schedulers take two hooks in place of their own prompt pass and 1D rotary table: `prompt`
+(the static sampler repeats its cache for the n samples; the continuous and paged ones put it
+in their prompt pool, from which every admitted slot copies its prompt) and `prompt_rope`, the
+prompts' M-RoPE tables by mask position (the static loop repeats them per sample; a slot reads
+its prompt's, `rljax.sampling.slots.slot_rope`). So whichever scheduler decodes, the tower and
+the prefill run once per prompt and the decode loop is the text one. Decode steps embed
+generated tokens as text. Log-probs are the trainer's function on the decode logits, as for
+text; the trainer scores the same tokens with `rljax.models.vlm.vl_token_logprobs`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import numpy as np
 
 from rljax.errors import ConfigError, DataError
 from rljax.models import default_positions, hidden_states, init_cache, logits_from_hidden, unstack_layers
-from rljax.models.vlm import (VLConfig, VLInputs, image_embeddings, prepare_inputs, prompt_images, spliced_params,
-                              text_params)
+from rljax.models.vlm import (ImageSplice, VLConfig, VLInputs, image_embeddings, prepare_inputs, prompt_images,
+                              spliced_params, text_params)
+from rljax.sampling import continuous as C
 from rljax.sampling import decode as D
+from rljax.sampling import paged as PG
 from rljax.sampling.continuous import trim
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sampling.sampler import generate, pad_prompts
@@ -49,41 +54,76 @@ def vl_prompt_forward(cfg: VLConfig, lm_params, prompt_bt, mask_bt, rope_cos_sin
     return cache, logits_from_hidden(cfg.text, lm_params, h_b1d)[:, 0]
 
 
+def image_prompt_pass(cfg: VLConfig, params, prompt_bt, mask_bt, inputs: VLInputs, *, batch_invariant: bool = False):
+    """The image prompts' (cache, last logits): the tower once over the B prompts' images, the
+    embeddings spliced into the prefill with the M-RoPE tables. `batch_invariant`: each prompt's
+    decoder pass alone, on its spliced embeddings, as `rljax.sampling.decode.prompt_forward` does."""
+    image_nd = image_embeddings(cfg, params, inputs)  # [patches / 4, D]: the B prompts' images, once
+    splice = spliced_params(cfg, params, image_nd, prompt_images(cfg, prompt_bt, mask_bt))
+    if not batch_invariant:
+        return vl_prompt_forward(cfg, unstack_layers(splice), prompt_bt, mask_bt, inputs.rope_cos_sin)
+    lm = unstack_layers(text_params(params))
+    embeds_btd = splice["embed"].lookup(prompt_bt, jnp.float32)
+
+    def one(tokens, mask, embeds, rope):  # the row's embeddings as a splice over all of its slots
+        row = {**lm, "embed": ImageSplice(lm["embed"], embeds[0], jnp.ones(tokens.shape, bool))}
+        return vl_prompt_forward(cfg, row, tokens, mask, rope)
+
+    cache, logits_bv = D.one_row_at_a_time(one, prompt_bt, mask_bt, embeds_btd, inputs.rope_cos_sin)
+    return dict(cache, index=jnp.asarray(prompt_bt.shape[1], jnp.int32)), logits_bv
+
+
+def scheduler_run(controls: SampleControls, cfg, num_prompts: int, prompt_len: int):
+    """The traceable sampler `controls` names, as f(cfg, params, prompts, mask, key, max_new, scalars,
+    rows, prompt=, prompt_rope=): static, continuous (slots) or paged; all take the image hooks."""
+    spec = controls.static()
+    if controls.scheduler != "continuous":
+        return functools.partial(D.sample_static, spec=spec, num_samples=controls.num_samples,
+                                 new_bucket=D.bucket_length(controls.max_new_tokens))
+    layout = C.plan_layout(controls, num_prompts, prompt_len, cfg)
+    return functools.partial(PG.sample_paged if layout.kv_layout == "paged" else C.sample_continuous, spec=spec,
+                             layout=layout)
+
+
+def sample_vl(cfg: VLConfig, params, prompt_bt, mask_bt, inputs: VLInputs, key, max_new, scalars, rows, *,
+              controls: SampleControls) -> D.SampleResult:
+    """Image prompts through the scheduler `controls` names, one traceable function (see the module
+    docstring): B * n rows at the new-token bucket's width. `inputs.rope_cos_sin` must cover
+    positions up to P + new_bucket."""
+    check_image_controls(controls, cfg.text)
+    prompt = image_prompt_pass(cfg, params, prompt_bt, mask_bt, inputs, batch_invariant=controls.batch_invariant)
+    run = scheduler_run(controls, cfg.text, *prompt_bt.shape)
+    return run(cfg.text, text_params(params), prompt_bt, mask_bt, key, max_new, scalars, rows, prompt=prompt,
+               prompt_rope=inputs.rope_cos_sin)
+
+
 def sample_static_vl(cfg: VLConfig, params, prompt_bt, mask_bt, inputs: VLInputs, key, max_new, scalars, rows, *,
                      spec: StaticControls, num_samples: int, new_bucket: int) -> D.SampleResult:
-    """The static sampler for image prompts, one traceable function (see the module docstring).
-    `inputs.rope_cos_sin` must cover positions up to P + new_bucket."""
-    image_nd = image_embeddings(cfg, params, inputs)  # [patches / 4, D]: the B prompts' images, once
-    prompt_params = unstack_layers(spliced_params(cfg, params, image_nd, prompt_images(cfg, prompt_bt, mask_bt)))
-    decode_params = unstack_layers(text_params(params))
-    prompt = vl_prompt_forward(cfg, prompt_params, prompt_bt, mask_bt, inputs.rope_cos_sin)
-    state = D.prefill(cfg.text, decode_params, prompt_bt, mask_bt, key, max_new, scalars, spec=spec,
-                      num_samples=num_samples, new_bucket=new_bucket, rows=rows, prompt=prompt)
-    tables = tuple(jnp.repeat(t, num_samples, axis=0) for t in inputs.rope_cos_sin)
-    state = D.decode_phases(cfg.text, decode_params, state, spec=spec, new_bucket=new_bucket,
-                            decode=functools.partial(D.decode, rope_cos_sin=tables))
-    return D.to_result(state, width=new_bucket)
+    """The static sampler for image prompts (`sample_vl` with the static scheduler's pieces)."""
+    prompt = image_prompt_pass(cfg, params, prompt_bt, mask_bt, inputs, batch_invariant=spec.batch_invariant)
+    return D.sample_static(cfg.text, text_params(params), prompt_bt, mask_bt, key, max_new, scalars, rows, spec=spec,
+                           num_samples=num_samples, new_bucket=new_bucket, prompt=prompt,
+                           prompt_rope=inputs.rope_cos_sin)
 
 
-_static_vl_jit = jax.jit(sample_static_vl, static_argnames=("cfg", "spec", "num_samples", "new_bucket"))
+_vl_jit = jax.jit(sample_vl, static_argnames=("cfg", "controls"))
 
 
-def check_image_controls(controls: SampleControls) -> None:
-    """Image prompts sample with the static scheduler: one line naming it otherwise."""
-    if controls.scheduler != "static":
-        raise ConfigError(f"image prompts sample with sampling.scheduler='static' (the tower runs once per prompt "
-                          f"before a static decode); the {controls.scheduler!r} scheduler does not take images yet")
+def check_image_controls(controls: SampleControls, text_cfg=None) -> None:
+    """What image prompts do not sample with yet, one line each: recording an MoE decoder's routes
+    with the continuous scheduler (its pool re-runs the prompts' routes without the images).
+    Every scheduler takes image prompts otherwise."""
+    if controls.scheduler == "continuous" and text_cfg is not None and D.records_routes(text_cfg, controls.static()):
+        raise ConfigError("image prompts do not record MoE routes with sampling.scheduler='continuous' yet; "
+                          "set sampling.scheduler='static' or sampling.record_routes=false")
 
 
 def sample_images(images, params, prompt_bt, mask_bt, key, controls: SampleControls) -> D.SampleResult:
-    """`sample_static_vl` on prompts with their `rljax.data.prompt_images.PromptImages`: P * n rows,
+    """`sample_vl` on prompts with their `rljax.data.prompt_images.PromptImages`: P * n rows,
     prompt-major, `max_new_tokens` wide (traceable)."""
-    check_image_controls(controls)
     rows = prompt_bt.shape[0] * controls.num_samples
-    new_bucket = D.bucket_length(controls.max_new_tokens)
-    out = sample_static_vl(images.vl, params, prompt_bt, mask_bt, images.inputs, key,
-                           jnp.int32(controls.max_new_tokens), controls.scalars(), jnp.int32(rows),
-                           spec=controls.static(), num_samples=controls.num_samples, new_bucket=new_bucket)
+    out = sample_vl(images.vl, params, prompt_bt, mask_bt, images.inputs, key, jnp.int32(controls.max_new_tokens),
+                    controls.scalars(), jnp.int32(rows), controls=controls)
     return trim(out, rows, controls.max_new_tokens)
 
 
@@ -118,8 +158,6 @@ def generate_vl(cfg, params, prompt_tokens_bt, prompt_mask_bt, pixel_values, gri
     `rljax.data.images.preprocess` makes them, the images in row-major order of the prompts'
     placeholders. Returns B * num_samples rows, prompt-major."""
     cfg = require_vision(cfg)
-    if controls.scheduler != "static":
-        raise ConfigError(f"image prompts sample with scheduler='static' for now, got {controls.scheduler!r}")
     spec = controls.static()
     tokens, mask = pad_prompts(cfg.text, prompt_tokens_bt, prompt_mask_bt, spec.pad_id)
     new_bucket = D.bucket_length(controls.max_new_tokens)
@@ -127,7 +165,6 @@ def generate_vl(cfg, params, prompt_tokens_bt, prompt_mask_bt, pixel_values, gri
     inputs = prepare_inputs(cfg, tokens, mask, pixel_values, grid_thw, num_positions=tokens.shape[1] + new_bucket,
                             num_patches=patch_bucket(num_patches, cfg.vision.merge_unit))
     rows = tokens.shape[0] * controls.num_samples
-    result = _static_vl_jit(cfg, params, tokens, mask, inputs, key, np.int32(controls.max_new_tokens),
-                            controls.scalars(), np.int32(rows), spec=spec, num_samples=controls.num_samples,
-                            new_bucket=new_bucket)
+    result = _vl_jit(cfg, params, tokens, mask, inputs, key, np.int32(controls.max_new_tokens), controls.scalars(),
+                     np.int32(rows), controls=controls)
     return jax.device_put(trim(jax.device_get(result), rows, controls.max_new_tokens))

@@ -179,12 +179,3 @@ def test_unsupported_update_features_are_one_line(vl, prompts):
     with pytest.raises(ConfigError, match="packing=false"):
         make_iteration(CONTROLS, reward_callback, num_groups=3)(state, toks, msk, np.arange(3, dtype=np.int32),
                                                                 jax.random.key(1), images=images)
-
-
-def test_other_schedulers_are_refused(vl, prompts):
-    """Continuous / paged sampling does not take images yet: one line naming the static scheduler."""
-    examples, tokens, mask = prompts
-    toks, msk, images = vl_prompts(vl, examples, tokens, mask, CONTROLS, train_vision=True)
-    with pytest.raises(ConfigError, match="scheduler='static'"):
-        make_iteration(CONTROLS.replace(scheduler="continuous"), reward_callback, num_groups=3)(
-            _state(vl), toks, msk, np.arange(3, dtype=np.int32), jax.random.key(1), images=images)

@@ -149,14 +149,12 @@ def test_rljax_export_of_a_vl_run_reloads_in_transformers(vl_run, tmp_path, caps
 
 @pytest.mark.parametrize("override, match", [
     (["model.vision.depth=0"], "no vision tower"),
-    (["sampling.scheduler=continuous"], "scheduler='static'"),
     (["rl.mode=async", "mesh.sampler_devices=1"], "image prompts"),
     (["warm_start.target_accuracy=0.3"], "target_accuracy"),
     (["rl.dynamic_sampling=true"], "rl.dynamic_sampling"),
 ])
 def test_unsupported_settings_are_one_line(tmp_path, override, match):
-    """A visual task on a text model, a non-static scheduler, an overlapped driver (the drivers'
-    table: only sync takes images), a warm start that stops on accuracy, dynamic sampling: one
-    line each."""
+    """A visual task on a text model, an overlapped driver (the drivers' table: only sync takes
+    images), a warm start that stops on accuracy, dynamic sampling: one line each."""
     with pytest.raises(ConfigError, match=match):
         train(load_config("vl_default", [f"output_dir={tmp_path}/run", *TINY, *override]))
