@@ -77,6 +77,9 @@ from gpu.report import markdown  # noqa: E402
 from gpu.shapes import nvidia_smi, package_versions  # noqa: E402
 from gpu.decode_phases import DECODE_ROOFLINE_CASES  # noqa: E402
 from gpu.iteration_phases import ITERATION_CASES  # noqa: E402
+from gpu.long_phases import LONG_CASES  # noqa: E402
+from gpu.trace_phases import TRACE_CASES  # noqa: E402
+from gpu.vl_phases import VL_CASES  # noqa: E402
 from gpu.moe_phases import MOE_CASES  # noqa: E402
 from gpu.remat_phases import REMAT_CASES  # noqa: E402
 from gpu.torch_peers import PEER_CASES  # noqa: E402
@@ -103,7 +106,13 @@ PHASES = [("ceilings", None, 60),
           # issue 53: 3B full and 7B LoRA (each rljax row plans its schedule first), with their PyTorch peers
           ("update", "3B-auto", 360), ("torch_update", "3B", 240), ("update", "7B-auto", 360), ("torch_update", "7B", 240),
           # issue 53: the whole iteration, rljax's compiled one and TRL's GRPOTrainer (bench/gpu/iteration_phases.py)
-          *[("iteration", c, 240 if c == "rljax" else 300) for c in ITERATION_CASES]]
+          *[("iteration", c, 240 if c == "rljax" else 300) for c in ITERATION_CASES],
+          # issue 48: one traced decode call, its kernels per step and per layer (bench/gpu/trace_phases.py)
+          *[("decode_trace", c, 90) for c in TRACE_CASES],
+          # issue 49: the VL update and sampler at Qwen2.5-VL-3B shapes, and transformers' (bench/gpu/vl_phases.py)
+          *[("vl", c, 150) for c in VL_CASES],
+          # issue 50: the update and the sampler on 4k / 8k / 32k-token rows (bench/gpu/long_phases.py)
+          *[("long", c, 150) for c in LONG_CASES]]
 START_SHARE = 0.5  # a phase starts only with at least this share of its limit left before the deadline
 RESERVE_S = 5  # kept back from the deadline for writing the results
 TAIL_LINES = 30  # output lines kept in the JSON of a phase that did not finish cleanly
@@ -111,11 +120,13 @@ TAIL_LINES = 30  # output lines kept in the JSON of a phase that did not finish 
 
 def run_phase(args) -> None:
     """Child process: run one (phase, case) and append its records."""
-    from gpu import iteration_phases, jax_phases, moe_phases, remat_phases, torch_peers, torch_phases
+    from gpu import iteration_phases, jax_phases, long_phases, moe_phases, remat_phases, torch_peers, torch_phases, \
+        trace_phases, vl_phases
     from gpu.shapes import Recorder
 
     fn = next(getattr(m, args.phase) for m in (jax_phases, torch_phases, remat_phases, torch_peers, moe_phases,
-                                               iteration_phases) if hasattr(m, args.phase))
+                                               iteration_phases, trace_phases, vl_phases, long_phases)
+              if hasattr(m, args.phase))
     fn(args, args.case, Recorder(args.records, args.phase, args.case))
 
 
