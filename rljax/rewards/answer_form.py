@@ -25,6 +25,7 @@ checks run before any equivalence is asked:
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from fractions import Fraction
@@ -45,6 +46,11 @@ _TEXT_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|mbox|operatorname)\s*\{([^{
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 _MARK = "\ue000"  # stands for a parsed number (a private-use character: no text holds it)
 _LEAD_SIGN = re.compile(r"(?:^|(?<=[\s(:,]))([-+])\s*(?=" + _MARK + ")")
+# The parses below are pure functions of their strings, memoised: a run scores every rollout of a
+# prompt against the same gold and question (n samples, and again each epoch over the data), and
+# short answers repeat ("17"), so regex work per row would otherwise be most of the verifier's host
+# time. `fn.__wrapped__` is the plain function, the reference the cache is tested against.
+CACHE_SIZE = 1 << 12  # entries per memoised parse: a few iterations' distinct strings
 
 
 def foreign_digits(text: str) -> bool:
@@ -91,6 +97,7 @@ def _number(text: str) -> Fraction:
     return Fraction(text.replace(",", ""))
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def parse_value(span: str, *, allow_fraction: bool = True) -> Fraction | None:
     """The one value ``span`` states, as an exact `Fraction`, or None (see the module docstring).
 
@@ -129,6 +136,7 @@ def parse_value(span: str, *, allow_fraction: bool = True) -> Fraction | None:
     return -atoms[0] if negative else atoms[0]
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def value_of_gold(answer: str) -> Fraction | None:
     """The gold answer as a value (fractions allowed), or None when it is an expression, a set, an
     interval... and so is judged by symbolic equivalence."""
@@ -147,6 +155,7 @@ _OPERAND = r"(?:\d+(?:\.\d+)?[a-z]?|[a-z]|\([^()]*\))"
 _OPERATION = re.compile(rf"(?<![a-z0-9.]){_OPERAND}(?:[-+*/^]{_OPERAND})+")
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def _squash(text: str) -> str:
     """Lower case, one spelling per operator, no space around operators, single spaces elsewhere."""
     text = _clean(unicodedata.normalize("NFKC", text).casefold())

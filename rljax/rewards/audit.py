@@ -36,11 +36,12 @@ same part.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from fractions import Fraction
 from typing import Any, Mapping
 
-from rljax.rewards.answer_form import judged_part, value_of_gold
+from rljax.rewards.answer_form import CACHE_SIZE, judged_part, value_of_gold
 from rljax.rewards.extract import METHODS, extract_answer
 from rljax.rewards.reasoning import ENTRY_KEY, task_scorer
 
@@ -116,6 +117,7 @@ class ExactValue(_ValueAudit):
     name: str = "exact_value"
 
     @staticmethod
+    @functools.lru_cache(maxsize=CACHE_SIZE)  # pure in (span, value): a prompt's rollouts repeat answers
     def judge(span: str, value: Fraction) -> bool:
         said = statement(span)
         rest = judged_part(span).replace("\u2212", "-").split(said, 1)[-1] if said else ""

@@ -13,8 +13,8 @@ import functools
 from typing import Any, Callable, Mapping
 
 from rljax.errors import DataError
-from rljax.rewards.answer_form import (echoes, foreign_digits, judged_part, oversized, parse_value, restates,
-                                       value_of_gold)
+from rljax.rewards.answer_form import (CACHE_SIZE, echoes, foreign_digits, judged_part, oversized, parse_value,
+                                       restates, value_of_gold)
 from rljax.rewards.base import QUESTION_KEY
 from rljax.rewards.extract import extract_answer
 
@@ -53,6 +53,7 @@ class ReasoningGymAnswer:
         return score, {"task": task, "extracted": extracted, "method": method}
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)  # pure in its strings; a prompt's n rollouts often give one answer
 def is_answer(extracted: str, gold: str, question: str) -> bool:
     """The guards of `rljax.rewards.answer_form` before a task's own scorer: no non-ASCII digits, no
     oversized span, no restated question, and, when the gold is a plain value, one value stated.
