@@ -72,8 +72,8 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     experts; the routing metrics then compare the trainer's own top-k with the record."""
     params, value_params = trainable if models is None else models(trainable)
     image_kw = {}
-    if batch.vision is not None:  # image rows: the tower's embeddings spliced in, M-RoPE tables
-        params, image_kw = batch.vision.splice(params)
+    if batch.vision is not None:  # image rows: the tower's embeddings spliced in, M-RoPE tables (packed: per buffer)
+        params, image_kw = batch.vision.splice(params, slab, batch.tokens_bt, batch.attn_mask_bt)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy or algo.adaptive_entropy
@@ -103,7 +103,7 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
                                                batch.tokens_bt, batch.attn_mask_bt, with_entropy=with_entropy,
                                                chunks=lp_chunks, remat=update_cfg.remat,
                                                unroll=update_cfg.layers_unrolled(), routes_btlk=batch.routes_btlk,
-                                               return_routing=cfg.moe is not None)
+                                               return_routing=cfg.moe is not None, **image_kw)
         # the router terms over the packed buffers' real tokens: the rows the update packs (those
         # with a loss token), where the padded layout reads every real token of the micro-batch
         routing, routing_mask = packed[0] if packed else (None, None)

@@ -89,18 +89,39 @@ def _slots(plan: PackPlan, t: int, first, buffers: int):
     return buf_bt, slot_bt, inside
 
 
+def pack_values(plan: PackPlan, x_bt, attn_mask_bt, first, buffers: int, fill=0):
+    """Row-aligned values [B, T, ...] of the real tokens moved to their slots in buffers
+    [first, first + buffers): [buffers, pack_length, ...], `fill` on the empty slots."""
+    buf_bt, slot_bt, inside = _slots(plan, attn_mask_bt.shape[1], first, buffers)
+    buf_bt = jnp.where(inside & attn_mask_bt.astype(bool), buf_bt, buffers)  # out of range: dropped
+    empty = jnp.full((buffers, plan.pack_length, *x_bt.shape[2:]), fill, x_bt.dtype)
+    return empty.at[buf_bt, slot_bt].set(x_bt, mode="drop")
+
+
+def pack_tables(plan: PackPlan, table_bph, attn_mask_bt, first, buffers: int):
+    """Per-row rotary tables [B, P, H] by mask position (an image row's M-RoPE,
+    `rljax.models.mrope.mrope_table`) as per-buffer tables [buffers, pack_length, H] by the
+    buffer's running mask position: the real token of row b at its mask position p lands in
+    buffer n at running position q, and entry q of buffer n is row b's entry p. A decoder given
+    the running positions (`default_positions` of the buffer's mask) and the segment ids then
+    rotates each token as in its own row and masks causally within each row (positions are
+    only compared inside a segment, where both orders agree)."""
+    mask_nl = pack_values(plan, attn_mask_bt.astype(bool), attn_mask_bt, first, buffers, False)
+    run_nl = jnp.cumsum(mask_nl, axis=1, dtype=jnp.int32) - 1
+    buf_bt, slot_bt, inside = _slots(plan, attn_mask_bt.shape[1], first, buffers)
+    inside &= attn_mask_bt.astype(bool)
+    q_bt = run_nl[jnp.clip(buf_bt, 0, buffers - 1), jnp.clip(slot_bt, 0, plan.pack_length - 1)]
+    p_bt = jnp.maximum(jnp.cumsum(attn_mask_bt.astype(jnp.int32), axis=1) - 1, 0)  # `default_positions`
+    entries_bth = jnp.take_along_axis(table_bph, p_bt[..., None], axis=1)
+    empty = jnp.zeros((buffers, plan.pack_length, table_bph.shape[-1]), table_bph.dtype)
+    return empty.at[jnp.where(inside, buf_bt, buffers), q_bt].set(entries_bth, mode="drop")
+
+
 def packed_inputs(plan: PackPlan, tokens_bt, positions_bt, attn_mask_bt, first, buffers: int):
     """Buffers [first, first + buffers) as model inputs, [buffers, pack_length] each: tokens,
     positions (each row's own), attention mask and segment ids (the row index; padding -1)."""
     b, t = tokens_bt.shape
-    buf_bt, slot_bt, inside = _slots(plan, t, first, buffers)
-    inside &= attn_mask_bt.astype(bool)
-    buf_bt = jnp.where(inside, buf_bt, buffers)  # out of range: dropped by the scatter
-
-    def scatter(x_bt, fill):
-        empty = jnp.full((buffers, plan.pack_length), fill, x_bt.dtype)
-        return empty.at[buf_bt, slot_bt].set(x_bt, mode="drop")
-
+    scatter = lambda x_bt, fill: pack_values(plan, x_bt, attn_mask_bt, first, buffers, fill)  # noqa: E731
     rows_bt = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     return (scatter(tokens_bt, 0), scatter(positions_bt.astype(jnp.int32), 0),
             scatter(attn_mask_bt.astype(bool), False), scatter(rows_bt, -1))
@@ -151,8 +172,16 @@ class Slab:
     def rows(self):
         return rows_in(self.plan, self.first, self.buffers)
 
+    def pack(self, x_bt, attn_mask_bt, fill=0):
+        """Row-aligned values [B, T, ...] in this slab's buffers (`pack_values`)."""
+        return pack_values(self.plan, x_bt, attn_mask_bt, self.first, self.buffers, fill)
+
+    def pack_tables(self, rope_cos_sin, attn_mask_bt):
+        """Per-row rotary tables (cos, sin) [B, P, H] as this slab's per-buffer tables (`pack_tables`)."""
+        return tuple(pack_tables(self.plan, t, attn_mask_bt, self.first, self.buffers) for t in rope_cos_sin)
+
     def scores(self, cfg, params, value_params, tokens_bt, attn_mask_bt, *, with_entropy: bool, chunks,
-               remat: bool, unroll: bool, routes_btlk=None, return_routing: bool = False):
+               remat: bool, unroll: bool, routes_btlk=None, return_routing: bool = False, rope_cos_sin=None):
         """(log-probs, entropy or None, state values or None), each [B, T] on the padded rows (0 off
         this slab's rows), from one forward over the slab's buffers. A row's first real token is
         scored from the previous row's last token in its buffer; it is a prompt token (outside
@@ -160,12 +189,16 @@ class Slab:
         a routing record, packed with its tokens and replayed by the policy's forward.
         `return_routing` (an MoE policy) appends (the forward's `MoEAux` [L, buffers,
         pack_length, ...], the buffers' real-token mask [buffers, pack_length]): what the router
-        losses and routing metrics read."""
+        losses and routing metrics read. `rope_cos_sin`: per-buffer tables (`pack_tables`, image
+        rows), read at the buffers' running positions in place of each row's own (`params` then
+        carry the rows' embeddings packed alike, `rljax.update.vision.VisionRows.splice`)."""
         from rljax.models import default_positions, token_logprobs, values
 
         t = tokens_bt.shape[1]
         toks, pos, mask, seg = packed_inputs(self.plan, tokens_bt, default_positions(attn_mask_bt), attn_mask_bt,
                                              self.first, self.buffers)
+        if rope_cos_sin is not None:
+            pos = default_positions(mask)
         routes = None
         if routes_btlk is not None:
             routes = packed_routes(self.plan, routes_btlk, attn_mask_bt, self.first, self.buffers)
@@ -173,7 +206,7 @@ class Slab:
         logp_nl, ent_nl, *routing = token_logprobs(cfg, params, toks, mask, pos, with_entropy=with_entropy,
                                                    chunk_size=chunks.time, vocab_chunk=chunks.vocab, remat=remat,
                                                    unroll=unroll, segment_ids_bt=seg, routes_lbtk=routes,
-                                                   return_routing=return_routing)
+                                                   return_routing=return_routing, rope_cos_sin=rope_cos_sin)
         back = lambda x_nl: unpack(self.plan, x_nl, self.first, t)  # noqa: E731
         state_v = None
         if value_params is not None:

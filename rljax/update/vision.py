@@ -11,7 +11,9 @@ shuffles cut the images with their rows. The tower therefore runs once per row i
 embeddings. `train_b` False (`model.train_vision=false`) stops the gradient at the tower's output and the update zeroes
 the tower's optimiser updates (`freeze_tower`), so a frozen tower is bitwise unchanged whatever
 the optimiser's weight decay (right for a pretrained tower, never for a random one).
-Image slots lie in the prompt, outside the loss mask: attended to, never trained on.
+Image slots lie in the prompt, outside the loss mask: attended to, never trained on. Packed
+micro-batches (`update.packing`) move each row's embeddings and M-RoPE tables with its tokens
+(`VisionRows.splice` with a slab): packed equals padded.
 """
 
 from __future__ import annotations
@@ -74,15 +76,26 @@ class VisionRows:
         image_bmd = jax.vmap(one)(self.pixels_bnp, self.hw_bn2, self.image_bn, self.window_bn)
         return jnp.where(self.train_b[:, None, None], image_bmd, jax.lax.stop_gradient(image_bmd))
 
-    def splice(self, params) -> tuple[Any, dict[str, Any]]:
+    def splice(self, params, slab=None, tokens_bt=None, attn_mask_bt=None) -> tuple[Any, dict[str, Any]]:
         """(the decoder's params with the images spliced into its embedding, the keyword arguments
-        `token_logprobs` takes for these rows: their M-RoPE tables)."""
+        `token_logprobs` takes for these rows: their M-RoPE tables).
+
+        With `slab` (a packed micro-batch, `rljax.update.packing.Slab`) both are the slab's: every
+        real token of row b takes its padded row's embedding (image or text) at its buffer slot,
+        and the tables are re-indexed by the buffers' running positions (`Slab.pack_tables`), so
+        each packed row keeps its own images and M-RoPE positions. The tower still runs over the
+        mini-batch's rows (`tokens_bt`, `attn_mask_bt`), once per slab."""
         if "visual" not in params:
             raise ConfigError("the batch carries images but the policy has no vision tower; load a qwen2_5_vl "
                               "checkpoint (or model.vision) or drop the images from the data")
         lm = {k: v for k, v in params.items() if k != "visual"}
-        lm["embed"] = RowImageSplice(lm["embed"], self.embeddings(params["visual"]), self.image_bt)
-        return lm, {"rope_cos_sin": (self.cos_bph, self.sin_bph)}
+        splice = RowImageSplice(lm["embed"], self.embeddings(params["visual"]), self.image_bt)
+        tables = (self.cos_bph, self.sin_bph)
+        if slab is None:
+            return {**lm, "embed": splice}, {"rope_cos_sin": tables}
+        embeds_nld = slab.pack(splice.lookup(tokens_bt, jnp.float32), attn_mask_bt)
+        packed = RowImageSplice(lm["embed"], embeds_nld, jnp.ones(embeds_nld.shape[:2], bool))
+        return {**lm, "embed": packed}, {"rope_cos_sin": slab.pack_tables(tables, attn_mask_bt)}
 
 
 def freeze_tower(updates, vision: VisionRows | None):
@@ -96,7 +109,6 @@ def freeze_tower(updates, vision: VisionRows | None):
 
 # What the update does not run with images yet, each with the setting that turns it off.
 UNSUPPORTED = (
-    ("update.packing", lambda state: state.update_cfg.packing, "update.packing=false"),
     ("a value model", lambda state: state.algo.needs.values, "a critic-free algorithm (grpo)"),
     ("a teacher", lambda state: state.teacher is not None, "algorithm.distill='none'"),
     ("a learned reward", lambda state: state.reward_model is not None, "no [reward.model]"),

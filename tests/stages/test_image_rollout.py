@@ -170,12 +170,12 @@ def test_kl_reference_and_recomputed_old_logp_score_the_images(vl, prompts):
 
 
 def test_unsupported_update_features_are_one_line(vl, prompts):
-    """Packing (not yet scored with images) is refused in one line naming the fix."""
+    """A critic (not yet scored with images) is refused in one line naming the fix."""
     examples, tokens, mask = prompts
     toks, msk, images = vl_prompts(vl, examples, tokens, mask, CONTROLS, train_vision=True)
     params = init_vl_params(vl, jax.random.key(0), std=0.2)
-    state = init_train_state(vl.text, params, AlgorithmConfig(algorithm="grpo", kl_coef=0.0), OptimConfig(),
-                             update_cfg=UpdateConfig(packing=True))
-    with pytest.raises(ConfigError, match="packing=false"):
+    state = init_train_state(vl.text, params, AlgorithmConfig(algorithm="ppo", kl_coef=0.0), OptimConfig(),
+                             update_cfg=UpdateConfig())
+    with pytest.raises(ConfigError, match="critic-free"):
         make_iteration(CONTROLS, reward_callback, num_groups=3)(state, toks, msk, np.arange(3, dtype=np.int32),
                                                                 jax.random.key(1), images=images)
