@@ -105,3 +105,17 @@ def test_paged_pools_and_a_row_processor_see_global_rows():
     assert pools.tokens.sharding.spec == P(("data", "context"))
     _same_rows(pools, one)
     assert int(pools.free_pages) == 8 * int(one.free_pages)
+
+
+def test_pools_only_where_the_params_are_replicated():
+    """Pools over (data, context) on context 4 x data 2; none (one pool, as before) where an axis
+    shards the params (fsdp 2 x context 4, tensor 2 x context 4: a pool per device would gather
+    the params whole, see `rljax.sampling.row_shards`), without a context axis, or when no run of
+    axes divides the prompts. Fails if pools were made over fsdp (the plan of
+    `configs/long_cot.toml` then no longer fits an H100)."""
+    cases = [(dict(data=2, fsdp=1, context=4), 8, ("data", "context")), (dict(data=2, fsdp=1, context=4), 4,
+             ("context",)), (dict(data=2, fsdp=1, context=4), 6, None), (dict(data=1, fsdp=2, context=4), 8, None),
+             (dict(data=1, fsdp=1, tensor=2, context=4), 8, None), (dict(data=8, fsdp=1), 8, None)]
+    for shape, prompts, want in cases:
+        with jax.set_mesh(sharding.make_mesh(sharding.MeshConfig(**shape))):
+            assert RS.pool_axes(prompts)[1] == want, (shape, prompts)
