@@ -249,7 +249,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     pool = empty_pool(cfg, entries, prompt_len, spec.kv_dtype)
     if not batch:
         pool = prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, num_prompts,
-                                  batch_invariant=spec.batch_invariant, prompt=prompt)
+                                  batch_invariant=spec.batch_invariant, prompt=prompt, chunk=spec.prefill_chunk)
     slot_len = prompt_len + new_bucket
     cache = dict(init_cache(cfg, s_count, slot_len), index=jnp.zeros((s_count,), jnp.int32))
     cache["layers"] = empty_kv_layers(cfg, cache["layers"], spec.kv_dtype)  # FP8: the model's forward
@@ -267,7 +267,7 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
         # The cond carries only the pool: a cond over the whole state can copy the slots' cache.
         need = (st.pool.prefilled < prompts_needed) & (st.next_row // n >= st.pool.prefilled - batch)
         fill = lambda pool: prefill_into_pool(cfg, layer_params, pool, prompt_bp, mask_bp, batch,
-                                               batch_invariant=spec.batch_invariant)
+                                               batch_invariant=spec.batch_invariant, chunk=spec.prefill_chunk)
         return st.replace(pool=jax.lax.cond(need, fill, lambda pool: pool, st.pool))
 
     def cond(st: SlotState):

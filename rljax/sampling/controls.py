@@ -69,6 +69,7 @@ class StaticControls:
     decode_chunk: int = 0
     record_routes: bool = False
     kv_dtype: str = "model"
+    prefill_chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,10 @@ class SampleControls:
     prefill_batch: continuous only: prompts prefilled together inside the decode loop as slots
       need them (a ring of 2 x prefill_batch prompts); 0 prefills every prompt once, up front.
     refill_batch: continuous only: the most slots refilled in one decode step (0: slots / 4).
+    prefill_chunk: prompt slots per chunk of a chunked prefill (`rljax.sampling.chunked_prefill`):
+      a prompt bucket longer than this runs its forward this many slots at a time, writing the KV
+      cache chunk by chunk, so no [P, P] scores or full-length activations exist at once (0: off,
+      one pass). Either scheduler.
     kv_layout: continuous only: "slots" (each slot a contiguous bucket(prompt) + bucket(new)
       cache) or "paged" (`rljax.sampling.paged`: a pool of `max_total_tokens // page_size` pages
       taken as rows grow, full prompt pages shared by a prompt's samples; needs
@@ -169,6 +174,7 @@ class SampleControls:
     record_routes: bool = False
     kv_dtype: str = "model"
     kv_cache_bytes: int = bounded(0, ge=0)
+    prefill_chunk: int = bounded(0, ge=0)
 
     def __post_init__(self):
         try:
@@ -183,7 +189,7 @@ class SampleControls:
                           page_size=int(self.page_size), batch_invariant=bool(self.batch_invariant),
                           decode_phases=int(self.decode_phases),
                           decode_chunk=int(self.decode_chunk), record_routes=bool(self.record_routes),
-                          kv_cache_bytes=int(self.kv_cache_bytes))
+                          kv_cache_bytes=int(self.kv_cache_bytes), prefill_chunk=int(self.prefill_chunk))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"sampling: every control must be a number (eos_ids, stop_sequences: token ids): "
                               f"{err}") from None
@@ -196,7 +202,7 @@ class SampleControls:
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"sampling: scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         for name in ("slots", "max_total_tokens", "prefill_batch", "refill_batch", "decode_phases",
-                     "decode_chunk", "kv_cache_bytes"):
+                     "decode_chunk", "kv_cache_bytes", "prefill_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sampling: {name} must be >= 0 (0 picks it for you), got {getattr(self, name)}")
         self._check_kv_layout()
@@ -250,7 +256,8 @@ class SampleControls:
                               logits_processor=self.logits_processor, batch_invariant=self.batch_invariant,
                               decode_phases=self.decode_phases or default_decode_phases(),
                               draw=default_draw() if self.draw == "auto" else self.draw,
-                              record_routes=self.record_routes, decode_chunk=self.decode_chunk, kv_dtype=self.kv_dtype)
+                              record_routes=self.record_routes, decode_chunk=self.decode_chunk, kv_dtype=self.kv_dtype,
+                              prefill_chunk=self.prefill_chunk)
 
     def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
         """(temperature, top_p, min_p) as traced values; greedy ignores them."""

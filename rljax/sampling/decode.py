@@ -54,6 +54,7 @@ from rljax.models import hidden_states, logits_from_hidden, logprobs_from_logits
 from rljax.models.attention import key_cache_layout
 from rljax.models.fp8 import quantize_cache_layers
 from rljax.models.moe import route_dtype, route_layers
+from rljax.sampling.chunked_prefill import chunked_prompt_forward
 from rljax.sampling.controls import StaticControls
 from rljax.sampling.filters import row_uniforms, sample_logits_from_uniforms
 from rljax.sampling.one_pass import draw_one_pass
@@ -274,16 +275,21 @@ def stored_prompt_cache(cfg: ModelConfig, cache, spec: StaticControls):
 
 
 def prompt_forward(cfg: ModelConfig, params, prompt_bt, mask_bt, *, batch_invariant: bool = False,
-                   record_routes: bool = False):
+                   record_routes: bool = False, chunk: int = 0):
     """The prompts' forward pass: (a KV cache of P slots, the logits after the last real token
     [B, V]). Both schedulers prefill with it; `batch_invariant` runs one prompt at a time.
     `record_routes` (an MoE model) appends the prompt tokens' experts per layer, [B, P, L, k] in
-    `route_dtype` (-1 on padding)."""
+    `route_dtype` (-1 on padding). `chunk` > 0 (`sampling.prefill_chunk`) runs a prompt bucket
+    longer than it `chunk` slots at a time (`rljax.sampling.chunked_prefill`; not with
+    `record_routes`, whose record comes from the one-pass forward)."""
     if batch_invariant:
         cache, logits_bv, *routes = one_row_at_a_time(
-            lambda t, m: prompt_forward(cfg, params, t, m, record_routes=record_routes), prompt_bt, mask_bt)
+            lambda t, m: prompt_forward(cfg, params, t, m, record_routes=record_routes, chunk=chunk), prompt_bt,
+            mask_bt)
         return (dict(cache, index=jnp.asarray(prompt_bt.shape[1], jnp.int32)), logits_bv, *routes)
     p = prompt_bt.shape[1]
+    if 0 < chunk < p and not record_routes:
+        return chunked_prompt_forward(cfg, params, prompt_bt, mask_bt, chunk)
     h_btd, cache, *routes = prefill_cache(cfg, params, prompt_bt, mask_bt, return_routes=record_routes)
     last_b = p - 1 - jnp.argmax(jnp.flip(mask_bt, axis=1), axis=1)  # last real token (any padding)
     h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
@@ -308,7 +314,7 @@ def prefill(cfg: ModelConfig, params, prompt_bt, mask_bt, key, max_new, scalars,
     recording = records_routes(cfg, spec)
     if prompt is None:
         prompt = prompt_forward(cfg, params, prompt_bt, mask_bt, batch_invariant=spec.batch_invariant,
-                                record_routes=recording)
+                                record_routes=recording, chunk=spec.prefill_chunk)
     cache, logits_bv, *prompt_routes = prompt
     cache = stored_prompt_cache(cfg, cache, spec)
 

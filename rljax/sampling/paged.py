@@ -256,7 +256,7 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
     n, s_count, new_bucket = layout.num_samples, layout.slots, layout.new_bucket
     rows_total = b * n
     pool = prefill_into_pool(cfg, layer_params, empty_pool(cfg, b, prompt_len, spec.kv_dtype), prompt_bp, mask_bp, b,
-                             batch_invariant=spec.batch_invariant, prompt=prompt)
+                             batch_invariant=spec.batch_invariant, prompt=prompt, chunk=spec.prefill_chunk)
     # Pool slot of each prompt's i-th real token (the pages store real tokens only, from position 0).
     pos_gp = pool.pos_gp
     src_gp = jnp.zeros_like(pos_gp).at[jnp.arange(b)[:, None], jnp.where(pos_gp >= 0, pos_gp, prompt_len)].set(

@@ -83,7 +83,7 @@ def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int, kv_dtype: str = 
 
 
 def prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mask_bp, batch: int, *,
-                      batch_invariant: bool, prompt=None) -> PromptPool:
+                      batch_invariant: bool, prompt=None, chunk: int = 0) -> PromptPool:
     """Prefills prompts [prefilled, prefilled + batch) into their ring entries. `prompt`, when
     given, is the caller's (cache, last logits) of exactly these prompts (image prompts: the
     spliced prefill of `rljax.sampling.vision`, filled all up front) in place of `prompt_forward`."""
@@ -91,7 +91,7 @@ def prefill_into_pool(cfg: ModelConfig, params, pool: PromptPool, prompt_bp, mas
     tokens = jax.lax.dynamic_slice_in_dim(prompt_bp, start, batch)
     mask = jax.lax.dynamic_slice_in_dim(mask_bp, start, batch)
     if prompt is None:
-        prompt = prompt_forward(cfg, params, tokens, mask, batch_invariant=batch_invariant)
+        prompt = prompt_forward(cfg, params, tokens, mask, batch_invariant=batch_invariant, chunk=chunk)
     cache, logits_bv = prompt[:2]
     if is_fp8_cache(pool.layers[0]):  # quantised after the prefill, as `rljax.sampling.decode.prefill` does
         cache = dict(cache, layers=quantize_cache_layers(cache["layers"], key_cache_layout(cfg)))

@@ -195,7 +195,8 @@ def test_every_numeric_setting_declares_its_range():
     default (`learning_rate: float = bounded(1e-6, gt=1e-3)`)."""
     unranged = [key for key, f, _ in SETTINGS if field_bound(f) is None]
     assert not unranged, f"numeric settings without a declared range: {unranged}"
-    assert len(SETTINGS) == 156  # + [model.vision]: 7, [shaping] curriculum: 4 (issue 49); sampling.kv_cache_bytes
+    assert len(SETTINGS) == 157  # + [model.vision]: 7, [shaping] curriculum: 4 (issue 49); sampling.kv_cache_bytes
+    # and sampling.prefill_chunk (issue 50)
     defaults = TrainConfig()
     for key, f, _ in SETTINGS:
         if key.startswith("data.sources"):
