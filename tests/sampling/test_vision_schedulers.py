@@ -1,7 +1,7 @@
 """Image prompts through the continuous and paged schedulers (`rljax.sampling.vision.sample_vl`):
 the same tokens as the static scheduler, the trainer's log-probs, the tower once per prompt.
-The tiny model and prompts are `tests/sampling/test_vision.py`'s (two images of 10 x 14 and
-6 x 8 patches, different M-RoPE deltas)."""
+The prompts are `tests/sampling/test_vision.py`'s (two images of 10 x 14 and 6 x 8 patches,
+different M-RoPE deltas), on a one-layer decoder and a one-block windowed tower."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def _batch():
 
 @pytest.fixture(scope="module")
 def model():
-    text = preset("qwen2-test", vocab_size=128, tie_embeddings=False)
-    vision = VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
-                          window_size=56, fullatt_block_indexes=(1,))
+    text = preset("qwen2-test", vocab_size=128, tie_embeddings=False, num_layers=1)
+    vision = VisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                          window_size=56, fullatt_block_indexes=())
     cfg = VLConfig(text=text, vision=vision, image_token_id=IMAGE, vision_start_token_id=START,
                    vision_end_token_id=END, video_token_id=121, mrope_section=(2, 3, 3))
     return cfg, init_vl_params(cfg, jax.random.key(0), std=0.2)

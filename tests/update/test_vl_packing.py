@@ -30,9 +30,9 @@ N, NEW = 2, 6  # samples per prompt, completion columns
 def setup():
     """Three generated pictures (84 px, 9 image tokens each) behind text prompts of 5, 3 and 4
     tokens (so the images start at different positions), 2 ragged completions each."""
-    text = preset("qwen2-test", vocab_size=128, tie_embeddings=False)
-    vision = VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
-                          window_size=56, fullatt_block_indexes=(1,))
+    text = preset("qwen2-test", vocab_size=128, tie_embeddings=False, num_layers=1)
+    vision = VisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                          window_size=56, fullatt_block_indexes=())
     vl = VLConfig(text=text, vision=vision, image_token_id=IMAGE, vision_start_token_id=START,
                   vision_end_token_id=END, video_token_id=121, mrope_section=(2, 3, 3))
     examples = visual_examples("count", "train", 3, size=84)
