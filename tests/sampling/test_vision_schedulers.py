@@ -117,3 +117,20 @@ def test_tower_runs_once_per_prompt(model, name):
                                                       controls.scalars(), np.int32(2 * n), controls=controls))(
             params, inputs)
         assert _tower_rows(jaxpr.jaxpr, cfg.vision.patch_dim) == [num_patches]
+
+
+def test_moe_routes_with_continuous_images_is_one_line():
+    """Recording an MoE decoder's routes on image prompts with the continuous scheduler (its pool
+    would record the prompt routes without the images) is one line naming the fix; a dense
+    decoder, or the static scheduler, is accepted."""
+    from rljax.errors import ConfigError
+    from rljax.models.moe_config import MoEConfig
+    from rljax.sampling.vision import check_image_controls
+
+    moe = preset("qwen2-test", moe=MoEConfig(num_experts=4, top_k=2, expert_size=32))
+    controls = SCHEDULERS["paged"].replace(record_routes=True)
+    with pytest.raises(ConfigError, match="record_routes=false") as err:
+        check_image_controls(controls, moe)
+    assert "\n" not in str(err.value)
+    check_image_controls(controls, preset("qwen2-test"))
+    check_image_controls(BASE.replace(record_routes=True), moe)
