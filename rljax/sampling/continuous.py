@@ -71,8 +71,8 @@ from rljax.models import ModelConfig, cache_slot_axes, init_cache, rope_table, u
 from rljax.sampling.controls import SampleControls, StaticControls
 from rljax.sampling.decode import SampleResult, bucket_length, row_keys, step_forward
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_kv_layers, empty_pool, empty_routes,
-                                  empty_slots, kv_bytes_per_token, prefill_into_pool, record_slot_routes, record_step,
-                                  routes_result, slot_result)
+                                  empty_slots, kv_bytes_per_token, pool_while, prefill_into_pool, record_slot_routes,
+                                  record_step, routes_result, slot_result)
 from rljax.sampling.slots import slot_rope
 
 
@@ -285,12 +285,12 @@ def sample_continuous(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new
     drain = layout.drain_slots
     if drain:
         cond = lambda st: (st.next_row < num_rows) | (jnp.sum(st.live_s, dtype=jnp.int32) > drain)
-    state = jax.lax.while_loop(cond, body, state)
+    state = pool_while(layout.pool_axes, cond, body, state)
     slot_steps = state.decode_steps * s_count
     if drain:
         main_steps = state.decode_steps
-        state = jax.lax.while_loop(
-            lambda st: jnp.any(st.live_s),
+        state = pool_while(
+            layout.pool_axes, lambda st: jnp.any(st.live_s),
             lambda st: _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, spec=spec,
                                     num_samples=n),
             _keep_slots(state, drain))

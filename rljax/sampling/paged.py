@@ -69,7 +69,7 @@ from rljax.sampling.paged_attention import gather_forward, kernel_forward, use_p
 from rljax.sampling.paged_table import PageTable, pop_pages, release_pages
 from rljax.sampling.slots import (PromptPool, SlotLayout, admit_rows, empty_pool, empty_routes, empty_slots,
                                   prefill_into_pool, record_slot_routes, record_step, routes_result, slot_result)
-from rljax.sampling.slots import slot_rope
+from rljax.sampling.slots import pool_while, slot_rope
 
 __all__ = ["PagedState", "PageTable", "gather_forward", "kernel_forward", "sample_paged", "use_pallas_kernel"]
 
@@ -170,7 +170,7 @@ def _admit(cfg: ModelConfig, state: PagedState, keys_r, max_new, scalars, src_gp
     return state.replace(kv=kv, pages=pt, pending_r=state.pending_r.at[row_tgt].set(False, mode="drop"))
 
 
-def _grow(state: PagedState, shared_pages_g, page_size: int) -> PagedState:
+def _grow(state: PagedState, shared_pages_g, page_size: int, pool_axes: tuple = ()) -> PagedState:
     """Gives a page to every running slot whose next token starts one, preempting the most
     recently admitted running rows while the free pages fall short."""
     rows_total = state.length_r.shape[0]
@@ -187,7 +187,8 @@ def _grow(state: PagedState, shared_pages_g, page_size: int) -> PagedState:
         row = jnp.where(jnp.any(victim_s), jnp.sum(jnp.where(victim_s, state.row_s, 0)), rows_total)
         return pt, live_s & ~victim_s, pending_r.at[row].set(True, mode="drop")
 
-    pt, live_s, pending_r = jax.lax.while_loop(short, preempt, (state.pages, state.live_s, state.pending_r))
+    pt, live_s, pending_r = pool_while(pool_axes, short, preempt, (state.pages, state.live_s, state.pending_r),
+                                       guard=True)
     need_s = live_s & (state.next_pos_s % page_size == 0)
     page_s1, pt = pop_pages(pt, need_s[:, None])
     slot_tgt = jnp.where(need_s, jnp.arange(need_s.shape[0]), need_s.shape[0])
@@ -201,7 +202,7 @@ def _decode_step(cfg: ModelConfig, layer_params, state: PagedState, keys_r, max_
     """One forward step over every slot; the fed tokens' keys and values go into their pages, and
     rows that end give their pages back."""
     page = layout.page_size
-    state = _grow(state, shared_pages_g, page)
+    state = _grow(state, shared_pages_g, page, layout.pool_axes)
     pt, live_s = state.pages, state.live_s
     rope = slot_rope(rope_cos_sin, state.row_s, layout.num_samples)  # image prompts: each slot's prompt's tables
     args = (cfg, layer_params, state.last_token_s, state.next_pos_s, live_s, state.kv, pt, rope)
@@ -276,7 +277,7 @@ def sample_paged(cfg: ModelConfig, params, prompt_bp, mask_bp, key, max_new, sca
         return _decode_step(cfg, layer_params, st, keys_r, max_new, scalars, rope_cos_sin, shared_pages_g,
                             spec=spec, layout=layout)
 
-    state = jax.lax.while_loop(lambda st: jnp.any(st.live_s) | jnp.any(st.pending_r), body, state)
+    state = pool_while(layout.pool_axes, lambda st: jnp.any(st.live_s) | jnp.any(st.pending_r), body, state)
     pt = state.pages
     result = slot_result(state, s_count, state.decode_steps * s_count, preemptions=pt.preemptions, peak_pages=pt.peak,
                          free_pages=pt.free)

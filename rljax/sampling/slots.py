@@ -68,6 +68,23 @@ class SlotLayout:
     page_size: int = flax.struct.field(pytree_node=False, default=16)
     num_pages: int = flax.struct.field(pytree_node=False, default=0)  # paged: pages in each layer's pool
     drain_slots: int = flax.struct.field(pytree_node=False, default=0)  # the tail's slots (0: no drain)
+    pool_axes: tuple = flax.struct.field(pytree_node=False, default=())  # one pool per device group (row_shards)
+
+
+def pool_while(axes: tuple, cond, body, init, *, guard: bool = False):
+    """`lax.while_loop` run in step by every slot pool: with `axes` (the mesh axes of one pool per
+    device group, `rljax.sampling.row_shards`) the loop goes on while `cond` holds in any pool, so
+    every pool runs the same trip count around the collectives XLA places in the body for the
+    other axes (fsdp's weight gathers); pools with unequal trip counts deadlock there. The loops
+    that use it are no-ops in a pool whose own `cond` is false (no running or pending row: the
+    step decodes and admits nothing); `guard` keeps the state of such a pool unchanged explicitly,
+    for a body that is not. Without axes: the plain loop."""
+    if not axes:
+        return jax.lax.while_loop(cond, body, init)
+    if guard:
+        plain = body
+        body = lambda s: jax.tree.map(lambda new, old: jnp.where(cond(s), new, old), plain(s), s)  # noqa: E731
+    return jax.lax.while_loop(lambda s: jax.lax.psum(cond(s).astype(jnp.int32), axes) > 0, body, init)
 
 
 def empty_pool(cfg: ModelConfig, entries: int, prompt_len: int, kv_dtype: str = "model") -> PromptPool:
