@@ -27,7 +27,6 @@ from rljax.errors import ConfigError
 from rljax.models.setup import policy_config
 from rljax.models.vl_setup import build_vl_policy, is_image_run, is_vl_checkpoint
 from rljax.models.vlm import VLConfig
-from rljax.sampling.vision import check_image_controls
 
 
 def check_vision_run(cfg, layouts) -> None:
@@ -45,7 +44,6 @@ def check_vision_run(cfg, layouts) -> None:
     for on, what, fix in refusals:
         if on:
             raise ConfigError(f"a vision-language run does not take {what} yet; use {fix}")
-    check_image_controls(cfg.sampling)
 
 
 class TextDecoder:

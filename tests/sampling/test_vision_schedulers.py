@@ -15,7 +15,6 @@ from rljax.models import preset
 from rljax.models.vision import VisionConfig
 from rljax.models.vlm import VLConfig, init_vl_params, prepare_inputs, vl_token_logprobs
 from rljax.sampling import SampleControls
-from rljax.sampling import decode as D
 from rljax.sampling.sampler import pad_prompts
 from rljax.sampling.vision import generate_vl, patch_bucket, sample_vl
 
