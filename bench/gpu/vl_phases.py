@@ -168,7 +168,8 @@ def vl(args, case, record):
         from rljax.sampling import SampleControls
         from rljax.sampling.vision import generate_prompts
 
-        params16 = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), params)
+        params16 = jax.block_until_ready(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), params))
+        counter.take()  # the eager casts above compile one program per leaf shape: not the sampler's
         controls = SampleControls(max_new_tokens=new, num_samples=SAMPLES, temperature=1.0)
         call = lambda k: jax.block_until_ready(generate_prompts(  # noqa: E731
             vl_cfg, params16, tokens_pt, prompt_mask_pt, key=jax.random.key(k), controls=controls, images=images).tokens)
