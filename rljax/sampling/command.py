@@ -22,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image before the prompt (repeat for several); needs a vision-language checkpoint "
-                        "(qwen2_5_vl); samples with the static scheduler and prints at the end")
+                        "(qwen2_5_vl); samples with --scheduler (either) and prints at the end")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-samples", type=int, default=1, help="completions to draw (printed at the end if > 1)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
