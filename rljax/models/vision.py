@@ -39,6 +39,11 @@ from flax import struct
 
 from rljax.errors import ConfigError
 from rljax.models.layers import project
+from rljax.models.remat import remat_layer
+
+# the query chunk of the tower's chunked attention (`chunked_segment_attention`): scores of
+# Nv x 256 x Np f32 at a time (16 MiB per 1,024-patch image at Qwen2.5-VL's 16 heads)
+ATTENTION_CHUNK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,15 +190,46 @@ def _rotate(x, cos, sin):
     return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
-def _block(x_nd, bp, mask_nn, cos_sin, vcfg: VisionConfig):
-    """One tower block: attention within the segments `mask_nn` allows, then the SwiGLU MLP."""
+def _segment_attention(q_qnh, k_knh, v_knh, mask_qk):
+    """softmax(q k^T / sqrt(Hv) where `mask_qk`, else -inf) v, per head: [Nq, Nv, Hv]."""
+    logits = jnp.einsum("qnh,knh->nqk", q_qnh, k_knh, preferred_element_type=jnp.float32) * q_qnh.shape[-1]**-0.5
+    probs = jax.nn.softmax(jnp.where(mask_qk[None], logits, -jnp.inf), axis=-1)
+    return jnp.einsum("nqk,knh->qnh", probs, v_knh, preferred_element_type=jnp.float32)
+
+
+def query_chunk(num_patches: int, most: int | None = None) -> int:
+    """The largest divisor of `num_patches` that is at most `most` (default `ATTENTION_CHUNK`): the
+    query chunk of the chunked attention."""
+    most = ATTENTION_CHUNK if most is None else most
+    return next(c for c in range(min(most, num_patches), 0, -1) if num_patches % c == 0)
+
+
+def chunked_segment_attention(q_nnh, k_nnh, v_nnh, seg_n, chunk: int):
+    """`_segment_attention` over the mask "same segment" (`seg_n` [Np]), `chunk` queries at a time,
+    each chunk under `jax.checkpoint` (nothing saved): the scores [Nv, chunk, Np] live one chunk
+    at a time in the forward and are recomputed in the backward, never kept for it, so the
+    attention holds O(Nv x chunk x Np) bytes instead of O(Nv x Np^2) per block (the memory-efficient
+    attention of Rabe and Staats, "Self-attention Does Not Need O(n^2) Memory", 2021; each query's
+    softmax spans all its keys, so the numbers are the dense path's)."""
+    n = q_nnh.shape[0]
+
+    @jax.checkpoint
+    def one(q_cnh, seg_c, k, v, seg):
+        return _segment_attention(q_cnh, k, v, seg_c[:, None] == seg[None, :])
+
+    qs = q_nnh.reshape(n // chunk, chunk, *q_nnh.shape[1:])
+    out = jax.lax.map(lambda xs: one(xs[0], xs[1], k_nnh, v_nnh, seg_n), (qs, seg_n.reshape(n // chunk, chunk)))
+    return out.reshape(q_nnh.shape)
+
+
+def _block(x_nd, bp, mask_nn, cos_sin, vcfg: VisionConfig, seg_n=None, chunk: int = 0):
+    """One tower block: attention within the segments `mask_nn` allows (or, with `chunk`, within
+    the segments `seg_n` names, chunked: `chunked_segment_attention`), then the SwiGLU MLP."""
     h = _rms_norm(x_nd, bp["norm1"], vcfg.rms_norm_eps)
     qkv = project(h, bp["qkv"]) + bp["qkv_bias"].astype(jnp.float32)  # [Np, 3, Nv, Hv]
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
-    logits = jnp.einsum("qnh,knh->nqk", q, k, preferred_element_type=jnp.float32) * vcfg.head_dim**-0.5
-    probs = jax.nn.softmax(jnp.where(mask_nn[None], logits, -jnp.inf), axis=-1)
-    attn = jnp.einsum("nqk,knh->qnh", probs, v, preferred_element_type=jnp.float32)
+    attn = chunked_segment_attention(q, k, v, seg_n, chunk) if chunk else _segment_attention(q, k, v, mask_nn)
     x_nd = x_nd + project(attn, bp["proj"], contract=2) + bp["proj_bias"].astype(jnp.float32)
     h = _rms_norm(x_nd, bp["norm2"], vcfg.rms_norm_eps)
     gate = project(h, bp["gate"]) + bp["gate_bias"].astype(jnp.float32)
@@ -201,22 +237,36 @@ def _block(x_nd, bp, mask_nn, cos_sin, vcfg: VisionConfig):
     return x_nd + project(jax.nn.silu(gate) * up, bp["down"]) + bp["down_bias"].astype(jnp.float32)
 
 
-def vision_tower(vcfg: VisionConfig, vparams, pixels_np, layout: PatchLayout):
+def vision_tower(vcfg: VisionConfig, vparams, pixels_np, layout: PatchLayout, *, remat: bool | str = False,
+                 chunked: bool = False):
     """Merged image embeddings [Np / 4, Do] (f32) for flattened patches `pixels_np` [Np, C*Tp*P*P]
     laid out by `layout`: patch embedding, the blocks (window or full attention, per
     `fullatt_block_indexes`), the 2x2 merger. Attention is the einsum reference over all Np
-    patches with a segment mask (O(Np^2) memory; fine for the image sizes RL prompts use)."""
+    patches with a segment mask (O(Np^2) memory; fine for a forward over the image sizes RL
+    prompts use). For a trained tower, `chunked` attends query chunk by query chunk and saves no
+    scores (`chunked_segment_attention`, same numbers), and `remat` (`rljax.models.remat`: none,
+    selective, full) recomputes each block in the backward as the decoder's layers do: the update
+    (`rljax.update.vision`) sets both, so its saved activations are O(Lv x Np x Dv) per row, not
+    O(Lv x Nv x Np^2)."""
     x = project(pixels_np.astype(jnp.float32), vparams["patch_embed"])
     cos_sin = vision_rope(vcfg, layout.hw_n2)
-    same = lambda seg: seg[:, None] == seg[None, :]
-    full_nn, window_nn = same(layout.image_n), same(layout.window_n)
     is_full_l = jnp.asarray(vcfg.full_attention_blocks())
+    if chunked:
+        chunk = query_chunk(x.shape[0])
 
-    def body(x, xs):
-        bp, is_full = xs
-        return _block(x, bp, jnp.where(is_full, full_nn, window_nn), cos_sin, vcfg), None
+        def body(x, xs):
+            bp, is_full = xs
+            seg_n = jnp.where(is_full, layout.image_n, layout.window_n)
+            return _block(x, bp, None, cos_sin, vcfg, seg_n=seg_n, chunk=chunk), None
+    else:
+        same = lambda seg: seg[:, None] == seg[None, :]
+        full_nn, window_nn = same(layout.image_n), same(layout.window_n)
 
-    x, _ = jax.lax.scan(body, x, (vparams["blocks"], is_full_l))
+        def body(x, xs):
+            bp, is_full = xs
+            return _block(x, bp, jnp.where(is_full, full_nn, window_nn), cos_sin, vcfg), None
+
+    x, _ = jax.lax.scan(remat_layer(body, remat), x, (vparams["blocks"], is_full_l))
     mp = vparams["merger"]
     x = _rms_norm(x, mp["ln_q"], vcfg.rms_norm_eps).reshape(-1, vcfg.merge_unit * vcfg.hidden_size)
     x = jax.nn.gelu(project(x, mp["fc1"]) + mp["fc1_bias"].astype(jnp.float32), approximate=False)

@@ -73,7 +73,8 @@ def microbatch_loss(trainable, batch: PreparedBatch, den: jax.Array, *, cfg: Mod
     params, value_params = trainable if models is None else models(trainable)
     image_kw = {}
     if batch.vision is not None:  # image rows: the tower's embeddings spliced in, M-RoPE tables (packed: per buffer)
-        params, image_kw = batch.vision.splice(params, slab, batch.tokens_bt, batch.attn_mask_bt)
+        params, image_kw = batch.vision.splice(params, slab, batch.tokens_bt, batch.attn_mask_bt,
+                                               remat=update_cfg.remat)
     m = batch.loss_mask_bt
     b, t = batch.tokens_bt.shape
     with_entropy = algo.entropy_coef > 0 or update_cfg.log_entropy or algo.adaptive_entropy

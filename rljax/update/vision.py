@@ -68,15 +68,22 @@ class VisionRows:
     cos_bph: jax.Array
     sin_bph: jax.Array
 
-    def embeddings(self, visual_params) -> jax.Array:
-        """Each row's merged image rows [B, N / 4, D] (f32); constant of the loss when frozen."""
+    def embeddings(self, visual_params, remat: bool | str = False) -> jax.Array:
+        """Each row's merged image rows [B, N / 4, D] (f32); constant of the loss when frozen.
+
+        The tower attends in query chunks that save no scores (`chunked=True`, the dense path's
+        numbers) and recomputes its blocks in the backward per `remat` (`update.remat`, as the
+        decoder): what the backward keeps is O(B x Lv x N x Dv) for these B rows (one micro-batch's
+        in the update), not the B x Lv x Nv x N^2 scores and masks of the dense attention."""
         def one(pixels_np, hw_n2, image_n, window_n):
-            return vision_tower(self.vision, visual_params, pixels_np, PatchLayout(hw_n2, image_n, window_n))
+            return vision_tower(self.vision, visual_params, pixels_np, PatchLayout(hw_n2, image_n, window_n),
+                                remat=remat, chunked=True)
 
         image_bmd = jax.vmap(one)(self.pixels_bnp, self.hw_bn2, self.image_bn, self.window_bn)
         return jnp.where(self.train_b[:, None, None], image_bmd, jax.lax.stop_gradient(image_bmd))
 
-    def splice(self, params, slab=None, tokens_bt=None, attn_mask_bt=None) -> tuple[Any, dict[str, Any]]:
+    def splice(self, params, slab=None, tokens_bt=None, attn_mask_bt=None,
+               remat: bool | str = False) -> tuple[Any, dict[str, Any]]:
         """(the decoder's params with the images spliced into its embedding, the keyword arguments
         `token_logprobs` takes for these rows: their M-RoPE tables).
 
@@ -84,12 +91,13 @@ class VisionRows:
         real token of row b takes its padded row's embedding (image or text) at its buffer slot,
         and the tables are re-indexed by the buffers' running positions (`Slab.pack_tables`), so
         each packed row keeps its own images and M-RoPE positions. The tower still runs over the
-        mini-batch's rows (`tokens_bt`, `attn_mask_bt`), once per slab."""
+        mini-batch's rows (`tokens_bt`, `attn_mask_bt`), once per slab. `remat`: the tower's
+        (`embeddings`)."""
         if "visual" not in params:
             raise ConfigError("the batch carries images but the policy has no vision tower; load a qwen2_5_vl "
                               "checkpoint (or model.vision) or drop the images from the data")
         lm = {k: v for k, v in params.items() if k != "visual"}
-        splice = RowImageSplice(lm["embed"], self.embeddings(params["visual"]), self.image_bt)
+        splice = RowImageSplice(lm["embed"], self.embeddings(params["visual"], remat), self.image_bt)
         tables = (self.cos_bph, self.sin_bph)
         if slab is None:
             return {**lm, "embed": splice}, {"rope_cos_sin": tables}
