@@ -37,7 +37,6 @@ def check_vision_run(cfg, layouts) -> None:
                           "depth >= 1 or load a qwen2_5_vl checkpoint")
     refusals = (
         (any(layout is not None for layout in layouts), "more than one device", "mesh.devices=1"),
-        (cfg.rl.dynamic_sampling, "rl.dynamic_sampling", "rl.dynamic_sampling=false"),
         (bool(cfg.warm_start.target_accuracy or cfg.warm_start.patience), "warm_start.target_accuracy / patience",
          "a fixed warm_start.steps (and max_seconds)"),
     )

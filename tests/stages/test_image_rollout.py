@@ -179,3 +179,27 @@ def test_unsupported_update_features_are_one_line(vl, prompts):
     with pytest.raises(ConfigError, match="critic-free"):
         make_iteration(CONTROLS, reward_callback, num_groups=3)(state, toks, msk, np.arange(3, dtype=np.int32),
                                                                 jax.random.key(1), images=images)
+
+
+def test_dynamic_sampling_keeps_each_prompts_images(vl, prompts):
+    """DAPO's dynamic sampling over a pool of 3 image prompts for 2 groups: prompt 0's rewards
+    are all equal (dropped), prompts 1 and 2 alternate 0/1 (kept), so the batch is groups [1, 2]
+    and its rows must carry prompts 1 and 2's images, slots and M-RoPE tables. The update's first
+    mini-batch scores each sampled token as the sampler did (< 1e-5, f32). Catches images taken
+    for the first G prompts instead of the kept ones (`rows_for(arange(G))`: the rows of prompt 2
+    get prompt 1's pixels and image slots, whose prompt is shorter, so the diff is O(1)), and a
+    filter that drops nothing (the counts)."""
+    def first_prompt_all_equal(tokens_bt, mask_bt, index_b):
+        del mask_bt
+        alternate = (jnp.arange(tokens_bt.shape[0]) % 2).astype(jnp.float32)
+        total = jnp.where(index_b == 0, 0.0, alternate)
+        return Rewards(total, {"correct": total}, jnp.zeros(total.shape, bool))
+
+    examples, tokens, mask = prompts
+    toks, msk, images = vl_prompts(vl, examples, tokens, mask, CONTROLS, train_vision=True)
+    iteration = make_iteration(CONTROLS, first_prompt_all_equal, num_groups=2, dynamic_sampling=True)
+    _, metrics, _ = iteration(_state(vl), toks, msk, np.arange(3, dtype=np.int32), jax.random.key(1), images=images)
+    metrics = jax.device_get(metrics)
+    assert (metrics["rollout/dynamic_kept"], metrics["rollout/dynamic_dropped"], metrics["rollout/dynamic_padded"]) \
+        == (2, 1, 0)
+    assert metrics["update/logp_diff_max"] < 1e-5, metrics["update/logp_diff_max"]

@@ -151,10 +151,23 @@ def test_rljax_export_of_a_vl_run_reloads_in_transformers(vl_run, tmp_path, caps
     (["model.vision.depth=0"], "no vision tower"),
     (["rl.mode=async", "mesh.sampler_devices=1"], "image prompts"),
     (["warm_start.target_accuracy=0.3"], "target_accuracy"),
-    (["rl.dynamic_sampling=true"], "rl.dynamic_sampling"),
 ])
 def test_unsupported_settings_are_one_line(tmp_path, override, match):
     """A visual task on a text model, an overlapped driver (the drivers' table: only sync takes
-    images), a warm start that stops on accuracy, dynamic sampling: one line each."""
+    images), a warm start that stops on accuracy: one line each."""
     with pytest.raises(ConfigError, match=match):
         train(load_config("vl_default", [f"output_dir={tmp_path}/run", *TINY, *override]))
+
+
+def test_dynamic_sampling_is_a_sync_vl_run(tmp_path):
+    """`rl.dynamic_sampling` on an image run passes the VL checks and the drivers' table (the sync
+    driver, which takes images) and over-samples the pipeline's batches, images included
+    (`tests/stages/test_image_rollout.py::test_dynamic_sampling_keeps_each_prompts_images`: the
+    kept rows carry their own images). Catches the refusal coming back."""
+    from rljax.drivers.registry import check_features, driver_name
+    from rljax.train.vision_setup import check_vision_run
+
+    cfg = load_config("vl_default", [f"output_dir={tmp_path}/run", *TINY, "rl.dynamic_sampling=true"])
+    check_vision_run(cfg, (None, None))
+    check_features(cfg)
+    assert driver_name(cfg) == "sync" and cfg.rl.num_prompts == 2 * cfg.rl.prompts_per_iteration
