@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from gpu.shapes import CompileCounter, absent_module_imports, accelerator_versions, decode_floor_bytes, \
+from gpu.shapes import CompileCounter, absent_module_imports, accelerator_versions, decode_floor_bytes, timed_update, \
     hf_config, matmul_params, nvidia_smi, timed, train_flops_per_token
 from gpu.decode_phases import decode_roofline  # noqa: F401  (issue 48's decode rows, run as a jax phase)
 
@@ -119,22 +119,9 @@ def update(args, case, record):
     state = init_train_state(cfg, init_params(cfg, jax.random.key(0)), AlgorithmConfig(algorithm="dr_grpo"),
                              OptimConfig(learning_rate=1e-6, max_grad_norm=1.0, weight_decay=0.01),
                              update_cfg=update_cfg, lora=LoraConfig(rank=rank, alpha=2.0 * rank) if rank else None)
-    jax.block_until_ready(state)
-    counter.take()
-    t = time.perf_counter()
-    state, metrics = update_step(state, batch, jax.random.key(0))
-    jax.block_until_ready((state.params, metrics))
-    first_s = time.perf_counter() - t
-    first = counter.take()
-    holder = [state]
+    first_s, first, med, times, metrics = timed_update(update_step, state, batch, counter, 2 if args.small else 5,
+                                                       args.budget * 0.35)
     del state
-
-    def step():
-        new, m = update_step(holder[0], batch, jax.random.key(1))
-        jax.block_until_ready((new.params, m))
-        holder[0] = new
-
-    med, times = timed(step, 2 if args.small else 5, budget_s=args.budget * 0.35)
     tokens = rows * seq
     # a frozen base computes no weight gradients: 4 N per token (forward 2 N, input gradients 2 N), not 6 N
     tflops = train_flops_per_token(hf, seq) * (4 / 6 if rank else 1) * tokens / med / 1e12

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from gpu.shapes import CompileCounter, hf_config, matmul_params, timed, train_flops_per_token
+from gpu.shapes import CompileCounter, hf_config, matmul_params, timed, timed_update, train_flops_per_token
 
 LONG_MODEL = "1.5B"
 # case -> (kind, rows, tokens a row (update) or new tokens (sample))
@@ -49,21 +49,8 @@ def long(args, case, record):
         state = init_train_state(cfg, init_params(cfg, jax.random.key(0)), AlgorithmConfig(algorithm="dr_grpo"),
                                  OptimConfig(learning_rate=1e-6, max_grad_norm=1.0),
                                  update_cfg=UpdateConfig(num_microbatches=rows, remat=True))
-        jax.block_until_ready(state)
-        counter.take()
-        t = time.perf_counter()
-        state, metrics = update_step(state, batch, jax.random.key(0))
-        jax.block_until_ready((state.params, metrics))
-        first_s, first = time.perf_counter() - t, counter.take()
-        holder = [state]
+        first_s, first, med, times, metrics = timed_update(update_step, state, batch, counter, 3, args.budget * 0.3)
         del state
-
-        def step():
-            new, m = update_step(holder[0], batch, jax.random.key(1))
-            jax.block_until_ready((new.params, m))
-            holder[0] = new
-
-        med, times = timed(step, 3, budget_s=args.budget * 0.3)
         tokens = rows * length
         tflops = train_flops_per_token(hf, length) * tokens / med / 1e12
         record(system="rljax", kind=kind, model=LONG_MODEL, rows=rows, tokens_per_row=length, microbatches=rows,

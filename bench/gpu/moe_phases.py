@@ -18,10 +18,8 @@ shows as lower MFU.
 
 from __future__ import annotations
 
-import time
-
 from gpu.jax_phases import peak_memory_gib, ratio, synthetic_rollout
-from gpu.shapes import CompileCounter, timed
+from gpu.shapes import CompileCounter, timed_update
 
 MOE_CASES = ["grouped", "dense"]
 FULL = dict(num_hidden_layers=8, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -74,22 +72,9 @@ def moe(args, case, record):
     state = init_train_state(cfg, init_params(cfg, jax.random.key(0)), AlgorithmConfig(algorithm="dr_grpo"),
                              OptimConfig(learning_rate=1e-6, max_grad_norm=1.0, weight_decay=0.01),
                              update_cfg=update_cfg)
-    jax.block_until_ready(state)
-    counter.take()
-    t = time.perf_counter()
-    state, metrics = update_step(state, batch, jax.random.key(0))
-    jax.block_until_ready((state.params, metrics))
-    first_s = time.perf_counter() - t
-    first = counter.take()
-    holder = [state]
+    first_s, first, med, times, metrics = timed_update(update_step, state, batch, counter, 2 if args.small else 5,
+                                                       args.budget * 0.35)
     del state
-
-    def step():
-        new, m = update_step(holder[0], batch, jax.random.key(1))
-        jax.block_until_ready((new.params, m))
-        holder[0] = new
-
-    med, times = timed(step, 2 if args.small else 5, budget_s=args.budget * 0.35)
     tokens = rows * seq
     tflops = moe_train_flops_per_token(hf, seq) * tokens / med / 1e12
     record(system="rljax", model="qwen3_moe-8L-64x768-top8" if not args.small else "qwen3_moe-small", moe_impl=case,

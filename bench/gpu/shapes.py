@@ -94,6 +94,31 @@ def timed(fn, reps: int, budget_s: float = float("inf")) -> tuple[float, list[fl
     return ordered[len(ordered) // 2], times
 
 
+def timed_update(update_step, state, batch, counter, reps: int, budget_s: float):
+    """(first-call seconds, the compiles it made, median seconds of up to `reps` timed steps, their
+    times, the first step's metrics) of `update_step(state, batch, key)`, each step fed the last
+    one's state (so donated buffers stay valid) and blocked on until done. `counter` is a
+    `CompileCounter`, taken before the first call."""
+    import jax
+
+    jax.block_until_ready(state)
+    counter.take()
+    t = time.perf_counter()
+    state, metrics = update_step(state, batch, jax.random.key(0))
+    jax.block_until_ready((state.params, metrics))
+    first_s, first = time.perf_counter() - t, counter.take()
+    holder = [state]
+    del state
+
+    def step():
+        new, m = update_step(holder[0], batch, jax.random.key(1))
+        jax.block_until_ready((new.params, m))
+        holder[0] = new
+
+    med, times = timed(step, reps, budget_s=budget_s)
+    return first_s, first, med, times, metrics
+
+
 class Recorder:
     """Appends one JSON line per result to the run's records file, flushed at once, so a phase
     killed by its time limit keeps what it measured."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from gpu.shapes import timed
+from gpu.shapes import timed, timed_update
 
 VL_CASES = ("update", "torch_update", "sample", "hf_sample")
 PROMPTS, SAMPLES, COMPLETION, TEXT_PROMPT = 8, 8, 512, 32
@@ -144,21 +144,9 @@ def vl(args, case, record):
                                  OptimConfig(learning_rate=1e-6, max_grad_norm=1.0, weight_decay=0.01),
                                  update_cfg=UpdateConfig(num_microbatches=MICROBATCHES, remat=True))
         del params
-        jax.block_until_ready(state)
-        counter.take()
-        t = time.perf_counter()
-        state, metrics = update_step(state, batch, jax.random.key(0))
-        jax.block_until_ready((state.params, metrics))
-        first_s, first = time.perf_counter() - t, counter.take()
-        holder = [state]
-        del state
-
-        def step():
-            upd, m = update_step(holder[0], batch, jax.random.key(1))
-            jax.block_until_ready((upd.params, m))
-            holder[0] = upd
-
-        med, times = timed(step, 2 if args.small else 4, budget_s=args.budget * 0.3)
+        first_s, first, med, times, metrics = timed_update(update_step, state, batch, counter, 2 if args.small else 4,
+                                                           args.budget * 0.3)
+        del state, metrics
         tflops = linear_flops(args.small, rows * seq, rows * patches_per_row, True) / med / 1e12
         record(system="rljax", **common, microbatches=MICROBATCHES, remat=True, first_call_s=first_s, **first,
                recompiles=counter.take()["programs_compiled"], step_s=med, times=times, tokens_per_s=rows * seq / med,
