@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_sampler import compiled_sample
 
 import rljax.models as M
 import rljax.sampling.traced as TR
@@ -28,15 +28,7 @@ def _compiled(cfg, params, mesh):
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (B, T)), jnp.int32)
     mask = jnp.ones((B, T), bool).at[1, :5].set(False)
-    p_sh = sharding.param_shardings(params, mesh, min_fsdp_size=1)
-    rows = NamedSharding(mesh, P("data"))
-    fn = lambda p, t, m, k: TR.sample(cfg, p, t, m, k, controls)  # noqa: E731
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(fn, in_shardings=(p_sh, rows, rows, None)).lower(params, tokens, mask,
-                                                                          jax.random.key(0)).compile()
-    out = compiled(jax.device_put(params, p_sh), jax.device_put(tokens, rows), jax.device_put(mask, rows),
-                   jax.random.key(0))
-    return compiled.memory_analysis(), out
+    return compiled_sample(cfg, params, tokens, mask, controls, mesh)
 
 
 def test_context_peers_decode_their_own_rows(monkeypatch):

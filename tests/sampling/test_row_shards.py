@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_sampler import compiled_sample
 
 import rljax.models as M
 import rljax.sampling.row_shards as RS
@@ -36,18 +36,7 @@ def _controls(new=NEW, **kw):
 def _run(cfg, params, controls, mesh=None):
     """(memory analysis, result) of the traced sampler, prompts arriving over `data` on `mesh`."""
     tokens, mask = _inputs(cfg)
-    fn = lambda p, t, m, k: TR.sample(cfg, p, t, m, k, controls)  # noqa: E731
-    if mesh is None:
-        compiled = jax.jit(fn).lower(params, tokens, mask, jax.random.key(0)).compile()
-        return compiled.memory_analysis(), compiled(params, tokens, mask, jax.random.key(0))
-    p_sh = sharding.param_shardings(params, mesh, min_fsdp_size=1)
-    rows = NamedSharding(mesh, P("data"))
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(fn, in_shardings=(p_sh, rows, rows, None)).lower(params, tokens, mask,
-                                                                          jax.random.key(0)).compile()
-    out = compiled(jax.device_put(params, p_sh), jax.device_put(tokens, rows), jax.device_put(mask, rows),
-                   jax.random.key(0))
-    return compiled.memory_analysis(), out
+    return compiled_sample(cfg, params, tokens, mask, controls, mesh)
 
 
 def _same_rows(got, want):
