@@ -17,9 +17,8 @@ from rljax.models.vlm import VLConfig, init_vl_params, prepare_inputs, vl_token_
 from rljax.sampling import SampleControls
 from rljax.sampling.sampler import pad_prompts
 from rljax.sampling.vision import generate_vl, patch_bucket, sample_vl
+from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch
 
-IMAGE, START, END = 120, 118, 119
-GRIDS = np.array([[1, 10, 14], [1, 6, 8]])
 N = 3  # samples per prompt: 6 rows through 2 slots, so every slot is refilled across prompts
 BASE = SampleControls(max_new_tokens=8, num_samples=N, temperature=1.0, batch_invariant=True)
 SCHEDULERS = {"continuous": BASE.replace(scheduler="continuous", slots=2),
@@ -28,13 +27,7 @@ SCHEDULERS = {"continuous": BASE.replace(scheduler="continuous", slots=2),
 
 
 def _batch():
-    ph = lambda g: [START] + [IMAGE] * (int(np.prod(g)) // 4) + [END]
-    rows = [[5, 9] + ph(GRIDS[0]) + [33, 7], [11] + ph(GRIDS[1]) + [3, 8, 60, 61, 62, 4, 12]]
-    width = max(map(len, rows))
-    tokens = np.array([[0] * (width - len(r)) + r for r in rows])
-    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], bool)
-    pixels = np.random.default_rng(0).standard_normal((int(GRIDS.prod(axis=1).sum()), 1176)).astype(np.float32)
-    return tokens, mask, pixels
+    return placeholder_batch()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax.data.vl_rows import visual_examples
 from rljax.errors import ConfigError
 from rljax.lora import LoraConfig
 from rljax.models import preset
@@ -26,6 +25,7 @@ from rljax.data.prompt_images import ImagePrompter
 from rljax.stages.iteration import make_iteration
 from rljax.update import init_train_state
 from rljax.update.config import UpdateConfig
+from vl_prompts import visual_prompts
 
 IMAGE, START, END = 120, 118, 119
 CONTROLS = SampleControls(max_new_tokens=4, num_samples=2, temperature=1.0, eos_ids=(3,), pad_id=0)
@@ -49,13 +49,7 @@ def vl():
 @pytest.fixture(scope="module")
 def prompts(vl):
     """Three generated problems (84 px: 6 x 6 patches, cut by the 4-patch window) with text tokens."""
-    examples = visual_examples("count", "train", 3, size=84)
-    rng = np.random.default_rng(0)
-    rows = [list(rng.integers(4, 100, k)) for k in (5, 3, 4)]
-    width = max(map(len, rows))
-    tokens = np.array([[0] * (width - len(r)) + r for r in rows], np.int32)
-    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], bool)
-    return examples, tokens, mask
+    return visual_prompts()
 
 
 def _state(vl, lr=1e-2, weight_decay=0.1):

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from rljax.data.prompt_images import ImagePrompter
-from rljax.data.vl_rows import visual_examples
 from rljax.models import preset
 from rljax.models.vision import VisionConfig
 from rljax.models.vlm import VLConfig, init_vl_params
@@ -21,6 +20,7 @@ from rljax.optim import OptimConfig
 from rljax.update import RolloutBatch, UpdateConfig, init_train_state, microbatch_loss, prepare_batch
 from rljax.update import packing as P
 from rljax.update.loss import aggregation_denominator
+from vl_prompts import visual_prompts
 
 IMAGE, START, END = 120, 118, 119
 N, NEW = 2, 6  # samples per prompt, completion columns
@@ -35,12 +35,9 @@ def setup():
                           window_size=56, fullatt_block_indexes=())
     vl = VLConfig(text=text, vision=vision, image_token_id=IMAGE, vision_start_token_id=START,
                   vision_end_token_id=END, video_token_id=121, mrope_section=(2, 3, 3))
-    examples = visual_examples("count", "train", 3, size=84)
+    examples, tokens, mask = visual_prompts()
+    width = tokens.shape[1]
     rng = np.random.default_rng(0)
-    rows = [list(rng.integers(4, 100, k)) for k in (5, 3, 4)]
-    width = max(map(len, rows))
-    tokens = np.array([[0] * (width - len(r)) + r for r in rows], np.int32)
-    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], bool)
     prompter = ImagePrompter.build(vl, examples, max_prompt_tokens=width, max_new_tokens=NEW, pad_id=0,
                                    train_vision=True)
     toks, msk, images = prompter(examples, tokens, mask)
