@@ -3,6 +3,7 @@ rows with image placeholders and random patches, and generated pictures behind t
 
 from __future__ import annotations
 
+import jax.extend
 import numpy as np
 
 from rljax.data.vl_rows import visual_examples
@@ -34,3 +35,15 @@ def visual_prompts(lengths=(5, 3, 4), size: int = 84):
     examples = visual_examples("count", "train", len(lengths), size=size)
     rng = np.random.default_rng(0)
     return (examples, *left_padded([list(rng.integers(4, 100, k)) for k in lengths]))
+
+
+def tower_rows(jaxpr, patch_dim: int) -> list[int]:
+    """Row counts of every matmul in `jaxpr` (nested jaxprs too) whose operand has `patch_dim`
+    columns: the patch embedding, so the patches the tower encodes."""
+    rows = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.shape[-1] == patch_dim:
+            rows.append(eqn.invars[0].aval.shape[0])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            rows += tower_rows(sub, patch_dim)
+    return rows

@@ -94,6 +94,16 @@ def timed(fn, reps: int, budget_s: float = float("inf")) -> tuple[float, list[fl
     return ordered[len(ordered) // 2], times
 
 
+def timed_first(step, reps: int, budget_s: float) -> tuple[float, float, list[float]]:
+    """(seconds of a first `step()`, the median and times of up to `reps` more): a step that blocks
+    until its work is done."""
+    t = time.perf_counter()
+    step()
+    first_s = time.perf_counter() - t
+    med, times = timed(step, reps, budget_s=budget_s)
+    return first_s, med, times
+
+
 def timed_update(update_step, state, batch, counter, reps: int, budget_s: float):
     """(first-call seconds, the compiles it made, median seconds of up to `reps` timed steps, their
     times, the first step's metrics) of `update_step(state, batch, key)`, each step fed the last

@@ -13,10 +13,8 @@ case "<0.5B|1.5B>-<compile|liger>":
 
 from __future__ import annotations
 
-import time
-
 from gpu.jax_phases import GROUP_SIZE, UPDATE_SHAPES, UPDATE_SHAPES_SMALL, ratio
-from gpu.shapes import hf_config, timed, train_flops_per_token
+from gpu.shapes import hf_config, timed_first, train_flops_per_token
 from gpu.torch_phases import CLIP_EPS, _device, _qwen2
 
 PEER_CASES = ["1.5B-compile", "1.5B-liger", "0.5B-compile", "0.5B-liger"]
@@ -96,10 +94,7 @@ def torch_peer(args, case, record):
         if device == "cuda":
             torch.cuda.synchronize()
 
-    t = time.perf_counter()
-    step()
-    first_s = time.perf_counter() - t
-    med, times = timed(step, 2 if args.small else 5, budget_s=args.budget * 0.4)
+    first_s, med, times = timed_first(step, 2 if args.small else 5, args.budget * 0.4)
     tflops = train_flops_per_token(hf, seq) * rows * seq / med / 1e12
     record(system="pytorch+" + variant, model=shape, rows=rows, seq=seq, microbatches=micro,
            compile_backend=None if liger is not None else backend,

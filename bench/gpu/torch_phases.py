@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from gpu.jax_phases import GROUP_SIZE, LORA_RANK, UPDATE_SHAPES, UPDATE_SHAPES_SMALL, decode_lengths, ratio
-from gpu.shapes import decode_floor_bytes, hf_config, timed, train_flops_per_token
+from gpu.shapes import decode_floor_bytes, hf_config, timed_first, train_flops_per_token
 
 CLIP_EPS = 0.2  # rljax's dr_grpo default (clip_eps_low = clip_eps_high = 0.2)
 
@@ -96,10 +96,7 @@ def torch_update(args, case, record):
         if device == "cuda":
             torch.cuda.synchronize()
 
-    t = time.perf_counter()
-    step()
-    first_s = time.perf_counter() - t
-    med, times = timed(step, 2 if args.small else 5, budget_s=args.budget * 0.4)
+    first_s, med, times = timed_first(step, 2 if args.small else 5, args.budget * 0.4)
     tflops = train_flops_per_token(hf, seq) * (4 / 6 if rank else 1) * rows * seq / med / 1e12
     record(system="pytorch", model=case, rows=rows, seq=seq, microbatches=micro, lora_rank=rank,
            attention=model.config._attn_implementation,

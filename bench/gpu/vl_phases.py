@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from gpu.shapes import timed, timed_update
+from gpu.shapes import timed, timed_first, timed_update
 
 VL_CASES = ("update", "torch_update", "sample", "hf_sample")
 PROMPTS, SAMPLES, COMPLETION, TEXT_PROMPT = 8, 8, 512, 32
@@ -228,10 +228,7 @@ def torch_vl(args, case, record, common, raw, tokens_pt, prompt_mask_pt, tokens_
             if device == "cuda":
                 torch.cuda.synchronize()
 
-        t = time.perf_counter()
-        step()
-        first_s = time.perf_counter() - t
-        med, times = timed(step, 1 if args.small else 4, budget_s=args.budget * 0.4)
+        first_s, med, times = timed_first(step, 1 if args.small else 4, args.budget * 0.4)
         tflops = linear_flops(args.small, rows * seq, rows * patches_per_row, True) / med / 1e12
         record(system="pytorch", **common, microbatches=MICROBATCHES, gradient_checkpointing=False,
                attention=model.config._attn_implementation, first_call_s=first_s, step_s=med, times=times,

@@ -4,7 +4,6 @@ reference greedy loop, on a tiny random-init Qwen2.5-VL-shaped model (no torch).
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from rljax.sampling import SampleControls
 from rljax.sampling import decode as D
 from rljax.sampling.sampler import pad_prompts
 from rljax.sampling.vision import generate_vl, patch_bucket, sample_static_vl
-from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch
+from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch, tower_rows
 
 
 
@@ -69,17 +68,6 @@ def test_greedy_sampler_matches_reference_loop(model):
     np.testing.assert_array_equal(np.asarray(res.tokens), greedy_generate(cfg, params, tokens, mask, pixels, GRIDS, 6))
 
 
-def _tower_rows(jaxpr, patch_dim: int) -> list[int]:
-    """Row counts of every matmul whose operand has `patch_dim` columns (the patch embedding)."""
-    rows = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.shape[-1] == patch_dim:
-            rows.append(eqn.invars[0].aval.shape[0])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            rows += _tower_rows(sub, patch_dim)
-    return rows
-
-
 def test_tower_runs_once_per_prompt(model):
     """The compiled rollout embeds each prompt's patches once, however many samples it draws: the
     patch-embedding matmul has the prompts' patch count as rows at n = 1 and at n = 4 (a rollout
@@ -95,7 +83,7 @@ def test_tower_runs_once_per_prompt(model):
         jaxpr = jax.make_jaxpr(lambda p, i: sample_static_vl(
             cfg, p, tokens, mask, i, jax.random.key(0), np.int32(4), controls.scalars(), np.int32(2 * n),
             spec=controls.static(), num_samples=n, new_bucket=D.bucket_length(4)))(params, inputs)
-        assert _tower_rows(jaxpr.jaxpr, cfg.vision.patch_dim) == [num_patches]
+        assert tower_rows(jaxpr.jaxpr, cfg.vision.patch_dim) == [num_patches]
 
 
 def test_frozen_tower_gets_no_gradient(model):

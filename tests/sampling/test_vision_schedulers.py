@@ -6,7 +6,6 @@ different M-RoPE deltas), on a one-layer decoder and a one-block windowed tower.
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from rljax.models.vlm import VLConfig, init_vl_params, prepare_inputs, vl_token_
 from rljax.sampling import SampleControls
 from rljax.sampling.sampler import pad_prompts
 from rljax.sampling.vision import generate_vl, patch_bucket, sample_vl
-from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch
+from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch, tower_rows
 
 N = 3  # samples per prompt: 6 rows through 2 slots, so every slot is refilled across prompts
 BASE = SampleControls(max_new_tokens=8, num_samples=N, temperature=1.0, batch_invariant=True)
@@ -82,16 +81,6 @@ def test_logprobs_equal_trainer(model, sampled, name):
     np.testing.assert_allclose(res.logprobs, np.asarray(logp)[:, tokens.shape[1]:], atol=1e-5, rtol=0)
 
 
-def _tower_rows(jaxpr, patch_dim: int) -> list[int]:
-    rows = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.shape[-1] == patch_dim:
-            rows.append(eqn.invars[0].aval.shape[0])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            rows += _tower_rows(sub, patch_dim)
-    return rows
-
-
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_tower_runs_once_per_prompt(model, name):
     """The traced continuous / paged rollout has one patch-embedding matmul with the prompts'
@@ -108,7 +97,7 @@ def test_tower_runs_once_per_prompt(model, name):
         jaxpr = jax.make_jaxpr(lambda p, i: sample_vl(cfg, p, tokens, mask, i, jax.random.key(0), np.int32(4),
                                                       controls.scalars(), np.int32(2 * n), controls=controls))(
             params, inputs)
-        assert _tower_rows(jaxpr.jaxpr, cfg.vision.patch_dim) == [num_patches]
+        assert tower_rows(jaxpr.jaxpr, cfg.vision.patch_dim) == [num_patches]
 
 
 def test_moe_routes_with_continuous_images_is_one_line():
