@@ -265,8 +265,8 @@ def wire_bytes(collective: dict[str, int], degree: int) -> int:
 
 def unrolled_flops(step, shapes) -> float:
     """`cost_analysis` counts a while loop's body once; rljax's block loop and both paths' key
-    tiles are `lax.scan`s, so FLOPs are read from a compile with every scan unrolled (the bench
-    patches `jax.lax.scan` for that compile only; memory comes from the real program)."""
+    tiles are `lax.scan`s, so FLOPs are read from a compile with every scan unrolled (`jax.lax.scan`
+    patched for it). A scan's transpose stays a loop: rljax's key tiles (c > KEY_TILE) undercount."""
     orig = jax.lax.scan
     jax.lax.scan = lambda *a, **k: orig(*a, **{**k, "unroll": True})
     try:
