@@ -47,3 +47,17 @@ def tower_rows(jaxpr, patch_dim: int) -> list[int]:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             rows += tower_rows(sub, patch_dim)
     return rows
+
+
+def sampler_inputs(cfg, new_slots: int = 16):
+    """(tokens, mask, VLInputs) of `placeholder_batch` for a sampler: prompts padded to its bucket,
+    patches to their bucket, M-RoPE tables over the prompt plus `new_slots`."""
+    from rljax.models.vlm import prepare_inputs
+    from rljax.sampling.sampler import pad_prompts
+    from rljax.sampling.vision import patch_bucket
+
+    tokens, mask, pixels = placeholder_batch()
+    tokens, mask = pad_prompts(cfg.text, tokens, mask)
+    inputs = prepare_inputs(cfg, tokens, mask, pixels, GRIDS, num_positions=tokens.shape[1] + new_slots,
+                            num_patches=patch_bucket(len(pixels)))
+    return tokens, mask, inputs

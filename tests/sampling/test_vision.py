@@ -14,9 +14,8 @@ from rljax.models.vision import VisionConfig
 from rljax.models.vlm import VLConfig, greedy_generate, init_vl_params, prepare_inputs, vl_token_logprobs
 from rljax.sampling import SampleControls
 from rljax.sampling import decode as D
-from rljax.sampling.sampler import pad_prompts
 from rljax.sampling.vision import generate_vl, patch_bucket, sample_static_vl
-from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch, tower_rows
+from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch, sampler_inputs, tower_rows
 
 
 
@@ -73,11 +72,8 @@ def test_tower_runs_once_per_prompt(model):
     patch-embedding matmul has the prompts' patch count as rows at n = 1 and at n = 4 (a rollout
     that repeated the pixels per sample would have 4x the rows)."""
     cfg, params = model
-    tokens, mask, pixels = _batch()
-    tokens, mask = pad_prompts(cfg.text, tokens, mask)
-    num_patches = patch_bucket(len(pixels))
-    inputs = prepare_inputs(cfg, tokens, mask, pixels, GRIDS, num_positions=tokens.shape[1] + 16,
-                            num_patches=num_patches)
+    tokens, mask, inputs = sampler_inputs(cfg)
+    num_patches = patch_bucket(int(GRIDS.prod(axis=1).sum()))  # the prompts' patches, bucketed
     for n in (1, 4):
         controls = SampleControls(max_new_tokens=4, num_samples=n)
         jaxpr = jax.make_jaxpr(lambda p, i: sample_static_vl(

@@ -14,9 +14,8 @@ from rljax.models import preset
 from rljax.models.vision import VisionConfig
 from rljax.models.vlm import VLConfig, init_vl_params, prepare_inputs, vl_token_logprobs
 from rljax.sampling import SampleControls
-from rljax.sampling.sampler import pad_prompts
 from rljax.sampling.vision import generate_vl, patch_bucket, sample_vl
-from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch, tower_rows
+from vl_prompts import END, GRIDS, IMAGE, START, placeholder_batch, sampler_inputs, tower_rows
 
 N = 3  # samples per prompt: 6 rows through 2 slots, so every slot is refilled across prompts
 BASE = SampleControls(max_new_tokens=8, num_samples=N, temperature=1.0, batch_invariant=True)
@@ -87,11 +86,8 @@ def test_tower_runs_once_per_prompt(model, name):
     patch count as rows, at n = 1 and n = 4 samples. Catches: re-encoding the image per sample
     (pixels repeated n times: n x the rows) or per admitted slot (a matmul inside the loop)."""
     cfg, params = model
-    tokens, mask, pixels = _batch()
-    tokens, mask = pad_prompts(cfg.text, tokens, mask)
-    num_patches = patch_bucket(len(pixels))
-    inputs = prepare_inputs(cfg, tokens, mask, pixels, GRIDS, num_positions=tokens.shape[1] + 16,
-                            num_patches=num_patches)
+    tokens, mask, inputs = sampler_inputs(cfg)
+    num_patches = patch_bucket(int(GRIDS.prod(axis=1).sum()))  # the prompts' patches, bucketed
     for n in (1, 4):
         controls = SCHEDULERS[name].replace(num_samples=n, max_new_tokens=4, batch_invariant=False)
         jaxpr = jax.make_jaxpr(lambda p, i: sample_vl(cfg, p, tokens, mask, i, jax.random.key(0), np.int32(4),
