@@ -222,14 +222,15 @@ def chunked_segment_attention(q_nnh, k_nnh, v_nnh, seg_n, chunk: int):
     return out.reshape(q_nnh.shape)
 
 
-def _block(x_nd, bp, mask_nn, cos_sin, vcfg: VisionConfig, seg_n=None, chunk: int = 0):
-    """One tower block: attention within the segments `mask_nn` allows (or, with `chunk`, within
-    the segments `seg_n` names, chunked: `chunked_segment_attention`), then the SwiGLU MLP."""
+def _block(x_nd, bp, seg_n, cos_sin, vcfg: VisionConfig, chunk: int = 0):
+    """One tower block: attention within the segments `seg_n` names (with `chunk`, chunked:
+    `chunked_segment_attention`), then the SwiGLU MLP."""
     h = _rms_norm(x_nd, bp["norm1"], vcfg.rms_norm_eps)
     qkv = project(h, bp["qkv"]) + bp["qkv_bias"].astype(jnp.float32)  # [Np, 3, Nv, Hv]
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
-    attn = chunked_segment_attention(q, k, v, seg_n, chunk) if chunk else _segment_attention(q, k, v, mask_nn)
+    attn = chunked_segment_attention(q, k, v, seg_n, chunk) if chunk else \
+        _segment_attention(q, k, v, seg_n[:, None] == seg_n[None, :])
     x_nd = x_nd + project(attn, bp["proj"], contract=2) + bp["proj_bias"].astype(jnp.float32)
     h = _rms_norm(x_nd, bp["norm2"], vcfg.rms_norm_eps)
     gate = project(h, bp["gate"]) + bp["gate_bias"].astype(jnp.float32)
@@ -251,20 +252,11 @@ def vision_tower(vcfg: VisionConfig, vparams, pixels_np, layout: PatchLayout, *,
     x = project(pixels_np.astype(jnp.float32), vparams["patch_embed"])
     cos_sin = vision_rope(vcfg, layout.hw_n2)
     is_full_l = jnp.asarray(vcfg.full_attention_blocks())
-    if chunked:
-        chunk = query_chunk(x.shape[0])
+    chunk = query_chunk(x.shape[0]) if chunked else 0
 
-        def body(x, xs):
-            bp, is_full = xs
-            seg_n = jnp.where(is_full, layout.image_n, layout.window_n)
-            return _block(x, bp, None, cos_sin, vcfg, seg_n=seg_n, chunk=chunk), None
-    else:
-        same = lambda seg: seg[:, None] == seg[None, :]
-        full_nn, window_nn = same(layout.image_n), same(layout.window_n)
-
-        def body(x, xs):
-            bp, is_full = xs
-            return _block(x, bp, jnp.where(is_full, full_nn, window_nn), cos_sin, vcfg), None
+    def body(x, xs):
+        bp, is_full = xs  # a full-attention block attends within images, the others within windows
+        return _block(x, bp, jnp.where(is_full, layout.image_n, layout.window_n), cos_sin, vcfg, chunk), None
 
     x, _ = jax.lax.scan(remat_layer(body, remat), x, (vparams["blocks"], is_full_l))
     mp = vparams["merger"]
